@@ -1,0 +1,2 @@
+"""d3d: asynchronous speculative decoding with standalone diffusion drafters."""
+__version__ = "0.1.0"

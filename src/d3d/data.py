@@ -1,0 +1,170 @@
+"""Self-distillation data: the target's own greedy responses to training prompts.
+
+Layout of a dataset folder:
+  manifest.json             sources, settings, shard list and token counts
+  shard_00000.npz           prompt/response token ids (uint32 flat arrays + offsets) and prompt hashes
+Shard i always covers prompts [i * shard_size, (i + 1) * shard_size) of the deterministic training
+mix, so a killed run resumes at the first missing shard; every file is written atomically.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from .prompts import prompt_hash, training_mix
+from .target import encode_prompt
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_json(path: Path, obj) -> None:
+    atomic_write_bytes(Path(path), (json.dumps(obj, indent=1) + "\n").encode())
+
+
+def _flat(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    offsets = np.cumsum([0] + [len(s) for s in seqs]).astype(np.int64)
+    flat = np.fromiter((t for s in seqs for t in s), dtype=np.uint32, count=int(offsets[-1]))
+    return flat, offsets
+
+
+def _unflat(flat: np.ndarray, offsets: np.ndarray) -> list[list[int]]:
+    return [flat[offsets[i]:offsets[i + 1]].astype(np.int64).tolist() for i in range(len(offsets) - 1)]
+
+
+def save_shard(path: Path, prompts: list[list[int]], responses: list[list[int]], hashes: list[str],
+               sources: list[str]) -> None:
+    import io
+
+    pf, po = _flat(prompts)
+    rf, ro = _flat(responses)
+    buf = io.BytesIO()
+    np.savez_compressed(buf, prompt_ids=pf, prompt_offsets=po, response_ids=rf, response_offsets=ro,
+                        hashes=np.array(hashes), sources=np.array(sources))
+    atomic_write_bytes(path, buf.getvalue())
+
+
+@dataclass
+class Example:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    source: str
+    hash: str
+
+
+def load_dataset(folder: str | Path) -> list[Example]:
+    folder = Path(folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    out = []
+    for shard in manifest["shards"]:
+        z = np.load(folder / shard["file"])
+        prompts = _unflat(z["prompt_ids"], z["prompt_offsets"])
+        responses = _unflat(z["response_ids"], z["response_offsets"])
+        out += [Example(p, r, s, h) for p, r, s, h in zip(prompts, responses, z["sources"].tolist(),
+                                                             z["hashes"].tolist())]
+    return out
+
+
+@torch.no_grad()
+def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int]) -> list[list[int]]:
+    """Greedy responses for a batch of prompts: left padding, pad keys masked, per-row rotary positions.
+
+    Rows that finish are compacted out of the batch so the cost follows the live rows.
+    """
+    B, P = len(prompts), max(len(p) for p in prompts)
+    tokens = torch.zeros(B, P, dtype=torch.long)
+    valid = torch.zeros(B, P + max_new_tokens, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        tokens[i, P - len(p):] = torch.tensor(p)
+        valid[i, P - len(p):] = True
+    valid[:, P:] = True
+    model.setup_cache(B, P + max_new_tokens)
+    pos = valid[:, :P].long().cumsum(-1) - 1
+    causal = torch.ones(P, P, dtype=torch.bool).tril()
+    mask = (causal[None] & valid[:, None, :P]) | torch.eye(P, dtype=torch.bool)  # pads see themselves: no NaN
+    logits = model(tokens, mask=mask[:, None], positions=pos.clamp(min=0),
+                   last_only=True)
+    rows = list(range(B))
+    out: list[list[int]] = [[] for _ in range(B)]
+    next_pos = pos[:, -1] + 1
+    for step in range(max_new_tokens):
+        nxt = logits[:, -1].argmax(-1)
+        live = []
+        for j, r in enumerate(rows):
+            out[r].append(int(nxt[j]))
+            if int(nxt[j]) not in eos_ids:
+                live.append(j)
+        if not live or step == max_new_tokens - 1:
+            break
+        if len(live) < len(rows) * 3 // 4:
+            keep = torch.tensor(live)
+            for layer in model.layers:
+                layer.attention.k_cache = layer.attention.k_cache[keep].contiguous()
+                layer.attention.v_cache = layer.attention.v_cache[keep].contiguous()
+            model.max_batch = len(live)
+            rows, nxt, valid, next_pos = [rows[j] for j in live], nxt[keep], valid[keep], next_pos[keep]
+        L = model.cache_len
+        mask = valid[:, None, None, :L + 1]
+        logits = model(nxt[:, None], mask=mask, positions=next_pos[:, None], last_only=True)
+        next_pos = next_pos + 1
+    model.max_batch = 0  # caches were resized: the next setup_cache must reallocate
+    return out
+
+
+def build_dataset(model, tokenizer, out: Path, target_name: str, max_tokens: int, max_new_tokens: int = 256,
+                  max_prompt_tokens: int = 384, batch_size: int = 32, shard_size: int = 128, seed: int = 0,
+                  log=None) -> dict:
+    """Generate shards until `max_tokens` response tokens exist (resuming from what is on disk)."""
+    out.mkdir(parents=True, exist_ok=True)
+    mpath = out / "manifest.json"
+    settings = {"target": target_name, "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens,
+                "shard_size": shard_size, "seed": seed, "decoding": "greedy", "chat_template": True}
+    manifest = json.loads(mpath.read_text()) if mpath.exists() else {"settings": settings, "shards": []}
+    if manifest["settings"] != settings:
+        raise ValueError(f"{out} was built with other settings: {manifest['settings']}")
+    manifest["sources"] = "interleaved mix of gsm8k-train, math-train, sharegpt first turns; benchmark test " \
+                          "prompts removed (prompts.training_mix)"
+    mix = training_mix(seed)
+    eos = {tokenizer.eos_token_id}
+    total = sum(s["response_tokens"] for s in manifest["shards"])
+    bar = tqdm(total=max_tokens, initial=min(total, max_tokens), unit="tok", desc="distill", mininterval=5)
+    shard_idx = len(manifest["shards"])
+    while total < max_tokens and shard_idx * shard_size < len(mix):
+        t0 = time.time()
+        items = mix[shard_idx * shard_size:(shard_idx + 1) * shard_size]
+        encoded = [(s, p, encode_prompt(tokenizer, p)) for s, _, p in items]
+        encoded = [e for e in encoded if len(e[2]) <= max_prompt_tokens]
+        encoded.sort(key=lambda e: len(e[2]))
+        responses = []
+        for b in range(0, len(encoded), batch_size):
+            chunk = encoded[b:b + batch_size]
+            responses += generate_batch(model, [e[2] for e in chunk], max_new_tokens, eos)
+            bar.update(sum(len(r) for r in responses[-len(chunk):]))
+        n = sum(len(r) for r in responses)
+        name = f"shard_{shard_idx:05d}.npz"
+        save_shard(out / name, [e[2] for e in encoded], responses, [prompt_hash(e[1]) for e in encoded],
+                   [e[0] for e in encoded])
+        manifest["shards"].append({"file": name, "examples": len(encoded), "response_tokens": n,
+                                   "seconds": round(time.time() - t0, 1)})
+        manifest["response_tokens"] = total = total + n
+        manifest["examples"] = sum(s["examples"] for s in manifest["shards"])
+        atomic_write_json(mpath, manifest)
+        if log:
+            log(f"shard {shard_idx}: {len(encoded)} examples, {n} tokens, {n / (time.time() - t0):.0f} tok/s, "
+                f"total {total}")
+        shard_idx += 1
+    bar.close()
+    return manifest

@@ -1,0 +1,157 @@
+"""Plain decoding and the synchronous draft-then-verify loop, generic over proposers.
+
+Cache invariant: the target's KV cache holds every verified token except the last one, which is
+"pending": it is fed at the start of the next target forward, followed by the draft.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from .target import D3DError
+from .verify import SamplingParams, make_generator, next_token, verify
+
+
+class Proposer(Protocol):
+    """A drafter. `propose` sees every verified token (the last one is the pending one) and returns up to
+    `k` draft tokens and, optionally, their proposal distributions [len(draft), V] (None = one-hot)."""
+
+    name: str
+
+    def reset(self, prompt_ids: list[int]) -> None: ...
+
+    def propose(self, tokens: list[int], k: int) -> tuple[list[int], torch.Tensor | None]: ...
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    acceptance_lengths: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    finish_reason: str = "length"
+    text: str = ""
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def rounds(self) -> int:
+        return len(self.acceptance_lengths)
+
+    @property
+    def tau(self) -> float:
+        return sum(self.acceptance_lengths) / max(1, self.rounds)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode throughput: tokens produced after the prefill's first token, per decode second."""
+        return max(0, self.new_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
+
+    def to_json(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "new_tokens": self.new_tokens,
+                "rounds": self.rounds, "acceptance_lengths": self.acceptance_lengths, "tau": round(self.tau, 4),
+                "prefill_s": round(self.prefill_s, 4), "decode_s": round(self.decode_s, 4),
+                "tokens_per_s": round(self.tokens_per_s, 2), "finish_reason": self.finish_reason}
+
+
+class StopChecker:
+    """Ends generation on EOS, on `max_new_tokens`, or when the decoded text contains a stop string.
+
+    `clip` cuts a freshly verified chunk at the first stop so that every method returns exactly the
+    same tokens as plain decoding.
+    """
+
+    def __init__(self, tokenizer, eos_ids: set[int], max_new_tokens: int, stop: list[str] | None):
+        self.tokenizer, self.eos_ids, self.max_new, self.stop = tokenizer, eos_ids, max_new_tokens, stop or []
+
+    def clip(self, generated: list[int], chunk: list[int]) -> tuple[list[int], str | None]:
+        for j, t in enumerate(chunk):
+            if len(generated) + j + 1 >= self.max_new or t in self.eos_ids or self._hits_stop(generated + chunk[:j + 1]):
+                reason = "eos" if t in self.eos_ids else "stop" if self._hits_stop(generated + chunk[:j + 1]) \
+                    else "length"
+                return chunk[:j + 1], reason
+        return chunk, None
+
+    def _hits_stop(self, ids: list[int]) -> bool:
+        if not self.stop:
+            return False
+        tail = self.tokenizer.decode(ids[-32:])
+        return any(s in tail for s in self.stop)
+
+    def final_text(self, ids: list[int]) -> str:
+        text = self.tokenizer.decode([t for t in ids if t not in self.eos_ids])
+        for s in self.stop:
+            if s in text:
+                text = text[:text.index(s)]
+        return text
+
+
+def validate_request(model, prompt_ids: list[int], max_new_tokens: int, block: int = 16) -> None:
+    if not prompt_ids:
+        raise D3DError("empty prompt")
+    if max_new_tokens <= 0:
+        raise D3DError(f"max_new_tokens must be > 0 (got {max_new_tokens})")
+    limit = model.args.max_seq_len
+    if len(prompt_ids) + max_new_tokens + block > limit:
+        raise D3DError(f"prompt of {len(prompt_ids)} tokens + {max_new_tokens} new tokens exceeds the "
+                       f"context window ({limit} tokens)")
+
+
+def _sync(device) -> None:
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams | None = None,
+             max_new_tokens: int = 128, proposer: Proposer | None = None, block_size: int = 16,
+             stop: list[str] | None = None) -> GenerationResult:
+    """Plain decoding when `proposer` is None, else synchronous speculative decoding with blocks of
+    `block_size` tokens (one pending token + up to block_size - 1 drafts) verified per target forward."""
+    params = params or SamplingParams()
+    validate_request(model, prompt_ids, max_new_tokens, block_size)
+    device = model.output.weight.device if hasattr(model, "output") else "cpu"
+    gen = make_generator(params)
+    stopper = StopChecker(tokenizer, {tokenizer.eos_token_id}, max_new_tokens, stop)
+    res = GenerationResult(prompt_ids=list(prompt_ids))
+    model.setup_cache(1, len(prompt_ids) + max_new_tokens + block_size + 1)
+    if proposer is not None:
+        proposer.reset(list(prompt_ids))
+
+    t0 = time.perf_counter()
+    logits = model(torch.tensor([prompt_ids], device=device), last_only=True)
+    first = next_token(logits[0, -1], params, gen)
+    _sync(device)
+    t1 = time.perf_counter()
+    res.prefill_s = t1 - t0
+    tokens = list(prompt_ids) + [first]
+    chunk, reason = stopper.clip([], [first])
+    res.token_ids = chunk
+    while reason is None:
+        if proposer is None:
+            logits = model(torch.tensor([[tokens[-1]]], device=device))
+            chunk = [next_token(logits[0, -1], params, gen)]
+            res.acceptance_lengths.append(1)
+        else:
+            k = min(block_size - 1, max_new_tokens - len(res.token_ids) - 1)
+            draft, q = proposer.propose(tokens, k) if k > 0 else ([], None)
+            base = len(tokens) - 1
+            logits = model(torch.tensor([[tokens[-1]] + draft], device=device))
+            n, nxt = verify(draft, logits[0], params, gen, q)
+            model.rollback(base + 1 + n)
+            chunk = draft[:n] + [nxt]
+            res.acceptance_lengths.append(n + 1)
+        tokens += chunk
+        chunk, reason = stopper.clip(res.token_ids, chunk)
+        res.token_ids += chunk
+    _sync(device)
+    res.decode_s = time.perf_counter() - t1
+    res.finish_reason = reason
+    res.text = stopper.final_text(res.token_ids)
+    return res

