@@ -10,6 +10,7 @@ from .ngram import NgramProposer
 from .target import D3DError
 
 METHODS = ("ar", "ngram")
+BEST_METHOD = "ngram"  # what `d3d demo` compares against plain decoding
 
 Runner = Callable[..., GenerationResult]
 
