@@ -263,17 +263,24 @@ class Transformer(nn.Module):
         angles = positions.to(self.inv_freq.dtype)[..., None] * self.inv_freq
         return angles.cos(), angles.sin()
 
-    def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-                last_only: bool = False, hidden_layers: list[int] | None = None):
-        """tokens [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only).
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.tok_embeddings(tokens)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output(self.norm(x))
+
+    def hidden(self, tokens: torch.Tensor, mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+               hidden_layers: list[int] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Run the layers over `tokens` [B, T] after the cached prefix; returns (last hidden, [taps]).
 
         mask: optional bool [B|1, 1, T, cache_len + T] over all keys (True = attend); default causal.
         positions: optional rotary positions [T] or [B, T]; default cache_len + arange(T).
-        hidden_layers: also return the hidden states after these layers (for target-conditioned drafters).
+        Without a cache (setup_cache never called) the tokens are a whole sequence, as in training.
         """
-        B, T = tokens.shape
-        start = self.cache_len
-        if start + T > self.cache_size:
+        T = tokens.shape[1]
+        cached = self.layers[0].attention.k_cache is not None if len(self.layers) else False
+        start = self.cache_len if cached else 0
+        if cached and start + T > self.cache_size:
             raise D3DError(f"sequence of {start + T} tokens exceeds the KV cache ({self.cache_size})")
         if positions is None:
             positions = torch.arange(start, start + T, device=tokens.device)
@@ -282,17 +289,24 @@ class Transformer(nn.Module):
             cos, sin = cos[:, None], sin[:, None]
         if mask is None and T > 1:
             mask = torch.ones(T, start + T, dtype=torch.bool, device=tokens.device).tril(start)
-        x = self.tok_embeddings(tokens)
-        hidden = []
+        x = self.embed(tokens)
+        taps = []
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, start)
             if hidden_layers is not None and i in hidden_layers:
-                hidden.append(x)
-        self.cache_len = start + T
-        if last_only:
-            x = x[:, -1:]
-        logits = self.output(self.norm(x))
-        return (logits, hidden) if hidden_layers is not None else logits
+                taps.append(x)
+        if cached:
+            self.cache_len = start + T
+        return x, taps
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                last_only: bool = False, hidden_layers: list[int] | None = None, logits_to_keep: int = 0):
+        """tokens [B, T] -> logits [B, T, V] for the new tokens (only the last `logits_to_keep` if > 0, or
+        the last one with last_only); with hidden_layers also the hidden states after those layers."""
+        x, taps = self.hidden(tokens, mask, positions, hidden_layers)
+        keep = 1 if last_only else logits_to_keep
+        logits = self.head(x[:, -keep:] if keep else x)
+        return (logits, taps) if hidden_layers is not None else logits
 
 
 def _hf_to_runtime(sd: dict[str, torch.Tensor], a: ModelArgs) -> dict[str, torch.Tensor]:
