@@ -99,14 +99,15 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids
                    last_only=True)
     rows = list(range(B))
     out: list[list[int]] = [[] for _ in range(B)]
+    done = [False] * B
     next_pos = pos[:, -1] + 1
     for step in range(max_new_tokens):
         nxt = logits[:, -1].argmax(-1)
-        live = []
         for j, r in enumerate(rows):
-            out[r].append(int(nxt[j]))
-            if int(nxt[j]) not in eos_ids:
-                live.append(j)
+            if not done[r]:
+                out[r].append(int(nxt[j]))
+                done[r] = int(nxt[j]) in eos_ids
+        live = [j for j, r in enumerate(rows) if not done[r]]
         if not live or step == max_new_tokens - 1:
             break
         if len(live) < len(rows) * 3 // 4:
