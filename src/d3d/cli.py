@@ -1,7 +1,13 @@
-"""Command-line interface: `d3d generate | bench | demo | data`."""
+"""Command-line interface: `d3d generate | bench | demo | data`.
+
+Every user mistake that can be caught without the model (method names, sampling settings, token
+budgets, prompt files) is checked before the model is loaded, so it fails instantly.
+"""
 from __future__ import annotations
 
 import argparse
+import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -9,12 +15,179 @@ import torch
 
 from .target import D3DError
 
+DEMO_PROMPTS = (
+    ("math", "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+             "How many clips did Natalia sell altogether in April and May? Think step by step."),
+    ("code", "Write a short Python function `is_palindrome(s)` that returns True if the string s reads the "
+             "same forwards and backwards, ignoring case. Then show one example call."),
+    ("chat", "What are three simple tips for getting better sleep?"),
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with the same one-line `d3d: error: ...` format as every other error."""
+
+    def error(self, message: str):
+        self.exit(2, f"d3d: error: {message} (see {self.prog} --help)\n")
+
 
 def _threads(n: int | None) -> None:
+    if n is not None and n < 1:
+        raise D3DError(f"--threads must be >= 1 (got {n})")
     torch.set_num_threads(n or min(2, torch.get_num_threads()))
 
 
-def cmd_data(args) -> None:
+def _check_device(device: str) -> None:
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise D3DError(f"unknown device {device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise D3DError(f"device {device!r} requested but CUDA is not available")
+
+
+def _check_budget(max_new_tokens: int, block_size: int) -> None:
+    if max_new_tokens <= 0:
+        raise D3DError(f"--max-new-tokens must be > 0 (got {max_new_tokens})")
+    if block_size < 1:
+        raise D3DError(f"--block-size must be >= 1 (got {block_size})")
+
+
+def _load_target(target: str | None, device: str = "cpu"):
+    """load_target, with any failure to read the checkpoint reported as a user error."""
+    from .target import load_target
+
+    try:
+        return load_target(target, device)
+    except D3DError:
+        raise
+    except (OSError, ValueError, KeyError, RuntimeError, TypeError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise D3DError(f"could not load target {target}: {msg}") from None
+
+
+def _check_drafter(drafter: str | None) -> None:
+    if drafter is not None and not Path(drafter).expanduser().exists():
+        raise D3DError(f"drafter path does not exist: {drafter}")
+
+
+def _sampling(args: argparse.Namespace):
+    from .verify import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from .methods import make_runner, parse_methods
+    from .target import encode_prompt
+
+    if not args.prompt.strip():
+        raise D3DError("empty prompt")
+    methods = parse_methods(args.method)
+    if len(methods) != 1:
+        raise D3DError("generate takes exactly one --method")
+    method = methods[0]
+    params = _sampling(args)
+    _check_budget(args.max_new_tokens, args.block_size)
+    _check_device(args.device)
+    _check_drafter(args.drafter)
+
+    model, tok, model_dir = _load_target(args.target, args.device)
+    runner = make_runner(method, model, tok, model_dir, drafter=args.drafter, block_size=args.block_size)
+    res = runner(encode_prompt(tok, args.prompt, args.raw), params=params, max_new_tokens=args.max_new_tokens,
+                 stop=args.stop)
+    if args.json:
+        print(json.dumps({"method": method, **res.to_json()}))
+        return
+    print(res.text)
+    print(f"[{method}] {res.new_tokens} new tokens, tau {res.tau:.2f}, {res.tokens_per_s:.1f} tokens/s",
+          file=sys.stderr)
+
+
+def _bench_prompts(args: argparse.Namespace) -> dict[str, list[str]]:
+    from .bench import read_prompts_file
+    from .prompts import BENCHMARKS, benchmark_prompts
+
+    if args.limit is not None and args.limit <= 0:
+        raise D3DError(f"--limit must be > 0 (got {args.limit})")
+    if args.prompts:
+        return {Path(args.prompts).stem: read_prompts_file(args.prompts)[:args.limit]}
+    names = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
+    for b in names:
+        if b not in BENCHMARKS:
+            raise D3DError(f"unknown benchmark {b!r}; choose from {', '.join(BENCHMARKS)}")
+    if not names:
+        raise D3DError("no benchmark given")
+    return {b: benchmark_prompts(b, args.limit) for b in names}
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from .bench import format_table, machine_info, run_bench
+    from .data import atomic_write_json
+    from .methods import make_runner, parse_methods
+
+    methods = parse_methods(args.methods)
+    methods = ["ar"] + [m for m in dict.fromkeys(methods) if m != "ar"]
+    params = _sampling(args)
+    _check_budget(args.max_new_tokens, args.block_size)
+    _check_device(args.device)
+    _check_drafter(args.drafter)
+    prompts = _bench_prompts(args)
+    out = Path(args.out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise D3DError(f"cannot create the folder of --out {out}: {e.strerror or e}") from None
+
+    model, tok, model_dir = _load_target(args.target, args.device)
+    runners = {m: make_runner(m, model, tok, model_dir, drafter=args.drafter, block_size=args.block_size)
+               for m in methods}
+    report = run_bench(model, tok, runners, prompts, params, args.max_new_tokens, raw=args.raw,
+                       save_outputs=args.save_outputs, block_size=args.block_size)
+    report = {"machine": machine_info(args.device), "command": "d3d " + shlex.join(args.argv),
+              "settings": {"methods": methods, "max_new_tokens": args.max_new_tokens,
+                           "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                           "seed": args.seed, "block_size": args.block_size, "raw": args.raw,
+                           "target": args.target, "drafter": args.drafter},
+              **report}
+    atomic_write_json(out, report)
+    print(format_table(report["results"]))
+    print(f"wrote {out}")
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from .methods import BEST_METHOD, make_runner
+    from .target import encode_prompt
+    from .verify import SamplingParams
+
+    _check_budget(args.max_new_tokens, 16)
+    model, tok, model_dir = _load_target(args.target)
+    ar = make_runner("ar", model, tok, model_dir)
+    best = make_runner(BEST_METHOD, model, tok, model_dir)
+    params = SamplingParams()
+    print(f"d3d demo: {BEST_METHOD} vs plain autoregressive decoding (ar), greedy, "
+          f"{args.max_new_tokens} new tokens, {torch.get_num_threads()} CPU threads", flush=True)
+    warm = encode_prompt(tok, "Hello!")
+    ar(warm, params=params, max_new_tokens=4)
+    best(warm, params=params, max_new_tokens=4)
+
+    speedups, taus = [], []
+    for i, (kind, prompt) in enumerate(DEMO_PROMPTS, 1):
+        ids = encode_prompt(tok, prompt)
+        a = ar(ids, params=params, max_new_tokens=args.max_new_tokens)
+        b = best(ids, params=params, max_new_tokens=args.max_new_tokens)
+        speedup = b.tokens_per_s / a.tokens_per_s if a.tokens_per_s > 0 else 0.0
+        speedups.append(speedup)
+        taus.append(b.tau)
+        print(f"\n[{i}/{len(DEMO_PROMPTS)}] {kind}: {prompt}\n{'-' * 60}\n{b.text.strip()}\n{'-' * 60}")
+        print(f"{BEST_METHOD}: tau {b.tau:.2f}, {b.tokens_per_s:.1f} tok/s | ar: {a.tokens_per_s:.1f} tok/s | "
+              f"speedup {speedup:.2f}x | identical to ar: {'yes' if a.token_ids == b.token_ids else 'NO'}",
+              flush=True)
+    print(f"\nsummary: {BEST_METHOD} over {len(DEMO_PROMPTS)} prompts: mean speedup "
+          f"{sum(speedups) / len(speedups):.2f}x, mean tau {sum(taus) / len(taus):.2f}")
+
+
+def cmd_data(args: argparse.Namespace) -> None:
     from .data import build_dataset
     from .target import load_target
 
@@ -31,10 +204,54 @@ def cmd_data(args) -> None:
     print(f"{args.out}: {m['examples']} examples, {m['response_tokens']} response tokens")
 
 
+def _add_target_args(p: argparse.ArgumentParser, device: bool = True) -> None:
+    p.add_argument("--target", default=None,
+                   help="HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: min(2, available))")
+    if device:
+        p.add_argument("--drafter", default=None, help="drafter checkpoint for drafter-based methods")
+        p.add_argument("--block-size", type=int, default=16, help="tokens verified per target forward")
+        p.add_argument("--device", default="cpu")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, seed: int | None) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--seed", type=int, default=seed)
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="d3d", description="Asynchronous speculative decoding with standalone "
-                                "diffusion drafters.")
+    p = _Parser(prog="d3d", description="Asynchronous speculative decoding with standalone diffusion drafters.")
     sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate a continuation of one prompt")
+    g.add_argument("prompt")
+    g.add_argument("--method", default="ar", help="ar, ngram, ... (see d3d.methods.METHODS)")
+    _add_sampling_args(g, seed=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    _add_target_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="benchmark methods against plain decoding, write a JSON report")
+    src = b.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompts", help='JSONL file, one {"prompt": ...} per line')
+    src.add_argument("--benchmarks", help="comma-separated: gsm8k,math500,humaneval,mtbench")
+    b.add_argument("--methods", default="ar,ngram", help="comma-separated; ar is always added as reference")
+    b.add_argument("--limit", type=int, default=None, help="first N prompts of each benchmark")
+    b.add_argument("--save-outputs", action="store_true", help="also store token ids and text per prompt")
+    b.add_argument("--out", required=True, help="output JSON file")
+    _add_sampling_args(b, seed=0)
+    _add_target_args(b)
+    b.set_defaults(func=cmd_bench)
+
+    m = sub.add_parser("demo", help=f"plain decoding vs the best method on {len(DEMO_PROMPTS)} embedded prompts")
+    m.add_argument("--max-new-tokens", type=int, default=128)
+    _add_target_args(m, device=False)
+    m.set_defaults(func=cmd_demo)
 
     d = sub.add_parser("data", help="generate self-distillation data from the target (resumable)")
     d.add_argument("--target", default=None)
@@ -48,9 +265,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
-    _threads(getattr(args, "threads", None))
+    args.argv = argv
     try:
+        _threads(getattr(args, "threads", None))
         args.func(args)
     except D3DError as e:
         print(f"d3d: error: {e}", file=sys.stderr)

@@ -1,0 +1,128 @@
+"""The command line end to end, as a user runs it: errors are one clean line, outputs have their schema."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def d3d(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "d3d.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, contains: str) -> None:
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("d3d: error:"), proc.stderr
+    assert contains in lines[0]
+
+
+BAD_PROMPT_FILES = {
+    "broken.jsonl": '{"prompt": "fine"}\n{"prompt": "broken\n',
+    "nokey.jsonl": '{"text": "no prompt key"}\n',
+    "emptyprompt.jsonl": '{"prompt": ""}\n',
+    "blank.jsonl": "\n\n",
+}
+
+# (arguments, expected fragment of the error); "{tmp}" is a folder holding BAD_PROMPT_FILES and junk.txt
+EARLY_ERRORS = [
+    (("generate", ""), "empty prompt"),
+    (("generate", "   "), "empty prompt"),
+    (("generate", "hi", "--max-new-tokens", "0"), "max-new-tokens"),
+    (("generate", "hi", "--method", "nope"), "unknown method"),
+    (("generate", "hi", "--temperature", "-1"), "temperature"),
+    (("generate", "hi", "--top-p", "0"), "top-p"),
+    (("generate", "hi", "--top-p", "1.5"), "top-p"),
+    (("generate", "hi", "--target", "/nonexistent/model"), "does not exist"),
+    (("generate", "hi", "--target", "{tmp}"), "not a model"),
+    (("generate", "hi", "--target", "{tmp}/junk.txt"), "not a model"),
+    (("bench", "--prompts", "p.jsonl", "--methods", "ar,nope", "--out", "x.json"), "unknown method"),
+    (("bench", "--prompts", "/nonexistent/p.jsonl", "--out", "x.json"), "cannot read prompts file"),
+    (("bench", "--prompts", "{tmp}/broken.jsonl", "--out", "x.json"), ":2: not valid JSON"),
+    (("bench", "--prompts", "{tmp}/nokey.jsonl", "--out", "x.json"), 'string "prompt"'),
+    (("bench", "--prompts", "{tmp}/emptyprompt.jsonl", "--out", "x.json"), "empty prompt"),
+    (("bench", "--prompts", "{tmp}/blank.jsonl", "--out", "x.json"), "no prompts"),
+    (("bench", "--benchmarks", "nope", "--out", "x.json"), "unknown benchmark"),
+    (("demo", "--max-new-tokens", "0"), "max-new-tokens"),
+]
+
+
+@pytest.fixture(scope="module")
+def early_errors(tmp_path_factory) -> dict[tuple, subprocess.CompletedProcess]:
+    """Every error that must be caught before the model loads. Each run costs little more than importing
+    torch, so they all start at once."""
+    tmp = tmp_path_factory.mktemp("bad")
+    for name, content in BAD_PROMPT_FILES.items():
+        (tmp / name).write_text(content)
+    (tmp / "junk.txt").write_text("not a model")
+    procs = {args: subprocess.Popen([sys.executable, "-m", "d3d.cli", *(a.format(tmp=tmp) for a in args)],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for args, _ in EARLY_ERRORS}
+    done = {}
+    for args, p in procs.items():
+        out, err = p.communicate(timeout=180)
+        done[args] = subprocess.CompletedProcess(p.args, p.returncode, out, err)
+    return done
+
+
+@pytest.mark.parametrize("args, contains", EARLY_ERRORS)
+def test_errors_before_loading(early_errors, args, contains):
+    assert_one_line_error(early_errors[args], contains)
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "two.jsonl"
+    rows = [{"prompt": "List the numbers from 1 to 10, separated by commas."},
+            {"prompt": "Repeat after me: the quick brown fox jumps over the lazy dog."}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_prompt_longer_than_context():
+    assert_one_line_error(d3d("generate", "hello " * 9000, "--threads", "1"), "context window")
+
+
+def test_generate_json():
+    proc = d3d("generate", "What is 2+3?", "--method", "ngram", "--max-new-tokens", "12", "--json",
+               "--threads", "1")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    for key in ("method", "text", "token_ids", "new_tokens", "rounds", "acceptance_lengths", "tau", "decode_s",
+                "tokens_per_s"):
+        assert key in out
+    assert out["method"] == "ngram"
+    assert 0 < out["new_tokens"] == len(out["token_ids"]) <= 12
+    assert out["rounds"] == len(out["acceptance_lengths"])
+
+
+def test_bench_report(tmp_path, prompts_file):
+    out = tmp_path / "sub" / "bench.json"
+    proc = d3d("bench", "--prompts", str(prompts_file), "--methods", "ar,ngram", "--max-new-tokens", "24",
+               "--save-outputs", "--out", str(out), "--threads", "1")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert set(report) >= {"machine", "command", "results", "per_prompt"}
+    assert set(report["machine"]) >= {"cpu", "cores", "torch", "threads", "device"}
+    assert report["command"].startswith("d3d bench --prompts ")
+
+    rows = {r["method"]: r for r in report["results"]}
+    assert set(rows) == {"ar", "ngram"}
+    for r in rows.values():
+        assert set(r) >= {"benchmark", "method", "prompts", "tau", "tokens_per_s", "tpot_s", "speedup_vs_ar",
+                          "lossless"}
+        assert r["prompts"] == 2 and r["tokens_per_s"] > 0
+    assert rows["ar"]["speedup_vs_ar"] == 1.0 and rows["ar"]["tau"] == 1.0
+    assert rows["ngram"]["lossless"] is True
+    assert rows["ngram"]["tau"] >= 1.0
+
+    assert len(report["per_prompt"]) == 4
+    for r in report["per_prompt"]:
+        assert set(r) >= {"benchmark", "method", "prompt_index", "new_tokens", "rounds", "decode_s", "tau",
+                          "token_ids", "text"}
+        assert len(r["token_ids"]) == r["new_tokens"]
+    assert "speedup_vs_ar" in proc.stdout  # the printed table
