@@ -17,7 +17,9 @@ from .verify import SamplingParams, make_generator, next_token, verify
 
 class Proposer(Protocol):
     """A drafter. `propose` sees every verified token (the last one is the pending one) and returns up to
-    `k` draft tokens and, optionally, their proposal distributions [len(draft), V] (None = one-hot)."""
+    `k` draft tokens and, optionally, the distributions [len(draft), V] they were sampled from (None =
+    deterministic drafts, i.e. one-hot). Before `reset` the engine sets `params` to the request's
+    sampling settings, so a proposer may draft greedily at temperature 0 and sample otherwise."""
 
     name: str
 
@@ -122,6 +124,7 @@ def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams | N
     res = GenerationResult(prompt_ids=list(prompt_ids))
     model.setup_cache(1, len(prompt_ids) + max_new_tokens + block_size + 1)
     if proposer is not None:
+        proposer.params = params
         proposer.reset(list(prompt_ids))
 
     t0 = time.perf_counter()

@@ -5,11 +5,13 @@ from functools import partial
 from pathlib import Path
 from typing import Callable
 
+from .drafter import D3DProposer, load_drafter
 from .engine import GenerationResult, generate
 from .ngram import NgramProposer
 from .target import D3DError
 
-METHODS = ("ar", "ngram")
+METHODS = ("ar", "ngram", "d3d")
+DEFAULT_DRAFTERS = Path(__file__).parent / "assets" / "drafters"
 BEST_METHOD = "ngram"  # what `d3d demo` compares against plain decoding
 
 Runner = Callable[..., GenerationResult]
@@ -22,6 +24,10 @@ def make_runner(method: str, model, tokenizer, model_dir: Path, drafter: str | N
         return partial(generate, model, tokenizer)
     if method == "ngram":
         return partial(generate, model, tokenizer, proposer=NgramProposer(), block_size=block_size)
+    if method == "d3d":
+        d = load_drafter(drafter or default_drafter(model_dir), model, tokenizer, device=_device_of(model))
+        proposer = D3DProposer(d, model.args.vocab_size, max_len=model.args.max_seq_len)
+        return partial(generate, model, tokenizer, proposer=proposer, block_size=d.block_size)
     raise D3DError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
 
 
@@ -33,3 +39,16 @@ def parse_methods(spec: str) -> list[str]:
     if not methods:
         raise D3DError("no method given")
     return methods
+
+
+def _device_of(model) -> str:
+    return str(next(model.parameters()).device)
+
+
+def default_drafter(model_dir: Path) -> Path:
+    """The drafter shipped for a target (by the target folder's name), or a clear error."""
+    path = DEFAULT_DRAFTERS / Path(model_dir).name
+    if not (path / "drafter.json").exists():
+        raise D3DError(f"no drafter is shipped for target {Path(model_dir).name}; train one with `d3d train` "
+                       f"and pass --drafter PATH")
+    return path

@@ -90,7 +90,7 @@ def prompt_hash(text: str) -> str:
     return hashlib.sha1(normalize(text).encode()).hexdigest()[:16]
 
 
-def test_prompt_hashes() -> set[str]:
+def benchmark_prompt_hashes() -> set[str]:
     """Hashes of every benchmark test prompt (MATH's whole test split included, MATH-500 is drawn from it)."""
     hashes = {prompt_hash(p) for b in BENCHMARKS for p in benchmark_prompts(b)}
     hashes |= {prompt_hash(r["problem"]) for r in _jsonl(data_file("math-test"))}
@@ -102,7 +102,7 @@ def training_mix(seed: int = 0, sharegpt_max: int = 12000) -> list[tuple[str, in
 
     Prompts equal (after normalisation) to any benchmark test prompt, and duplicates, are dropped.
     """
-    banned, seen = test_prompt_hashes(), set()
+    banned, seen = benchmark_prompt_hashes(), set()
     per_source = []
     for src in TRAIN_SOURCES:
         items = [(src, i, p) for i, p in enumerate(train_prompts(src))]

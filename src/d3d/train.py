@@ -1,0 +1,289 @@
+"""Training the D3D drafter: blockwise denoising + auxiliary autoregressive loss, one forward per batch.
+
+Each training sequence is [prompt tail + response] (clean, causal) followed by J blocks of B masked
+slots. Block j is anchored at a context end c_j inside the response: its slot k sits at position
+c_j + 1 + k, predicts token c_j + 1 + k, sees clean tokens 0..c_j and its own block (bidirectional),
+never other blocks. The AR loss is next-token cross-entropy on the clean response stream. The LM head
+is applied only at positions where a loss is taken.
+"""
+from __future__ import annotations
+
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from .data import Example, atomic_write_json
+from .drafter import Drafter
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 600
+    batch_size: int = 8
+    lr: float = 3e-4
+    warmup: int = 30
+    weight_decay: float = 0.01
+    ar_weight: float = 0.5          # lambda
+    gamma: float = 7.0              # slot k weight exp(-k / gamma)
+    blocks_per_seq: int = 12
+    max_prompt_tokens: int = 128
+    checkpoint_every: int = 25
+    seed: int = 0
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor       # [N, T]
+    positions: torch.Tensor    # [N, T]
+    mask: torch.Tensor         # [N, 1, T, T]
+    ar_index: torch.Tensor     # flat indices into N*T of clean positions with an AR target
+    ar_target: torch.Tensor    # draft-vocab ids (-100 = outside the draft vocabulary)
+    slot_index: torch.Tensor   # flat indices of mask slots with a target
+    slot_target: torch.Tensor
+    slot_k: torch.Tensor       # slot number within its block
+    slot_block: torch.Tensor   # global block id (for acceptance statistics)
+
+
+def block_layout(lengths: list[int], anchors: list[list[int]], B: int, pad_len: int | None = None):
+    """Positions and the attention mask of a packed batch (see module docstring).
+
+    lengths[n]: clean length of row n; anchors[n]: its context ends c_j. Returns (positions [N, T],
+    mask [N, T, T] bool, block_of [N, T] with -1 for clean positions, ctx_end [N, T]).
+    """
+    N = len(lengths)
+    Lmax = pad_len or max(lengths)
+    J = max(len(a) for a in anchors)
+    T = Lmax + J * B
+    idx = torch.arange(T)
+    block_of = torch.full((N, T), -1, dtype=torch.long)
+    ctx_end = idx.repeat(N, 1)
+    positions = idx.repeat(N, 1).clone()
+    valid = torch.zeros(N, T, dtype=torch.bool)
+    for n, (L, cs) in enumerate(zip(lengths, anchors)):
+        valid[n, :L] = True
+        for j, c in enumerate(cs):
+            s = Lmax + j * B
+            block_of[n, s:s + B] = j
+            ctx_end[n, s:s + B] = c
+            positions[n, s:s + B] = torch.arange(c + 1, c + 1 + B)
+    is_clean = block_of < 0
+    key_clean = (is_clean & valid)[:, None, :] & (idx[None, None, :] <= ctx_end[:, :, None])
+    same_block = (block_of[:, :, None] == block_of[:, None, :]) & (block_of[:, :, None] >= 0)
+    mask = key_clean | same_block | torch.eye(T, dtype=torch.bool)[None]
+    return positions, mask, block_of, ctx_end
+
+
+def make_batch(examples: list[Example], cfg: TrainConfig, B: int, vocab_map: torch.Tensor, mask_id: int,
+               rng: random.Random) -> Batch:
+    seqs, starts, anchors = [], [], []
+    for ex in examples:
+        prompt = ex.prompt_ids[-cfg.max_prompt_tokens:]
+        seq = prompt + ex.response_ids
+        P, L = len(prompt), len(seq)
+        choices = list(range(P - 1, L - 1))
+        anchors.append(sorted(rng.sample(choices, min(cfg.blocks_per_seq, len(choices)))))
+        seqs.append(seq)
+        starts.append(P)
+    lengths = [len(s) for s in seqs]
+    positions, mask, block_of, ctx_end = block_layout(lengths, anchors, B)
+    N, T = positions.shape
+    Lmax = max(lengths)
+    tokens = torch.full((N, T), mask_id, dtype=torch.long)
+    ar_index, ar_target, slot_index, slot_target, slot_k, slot_block = [], [], [], [], [], []
+    for n, seq in enumerate(seqs):
+        tokens[n, :len(seq)] = torch.tensor(seq)
+        tokens[n, len(seq):Lmax] = 0
+        for i in range(starts[n] - 1, len(seq) - 1):
+            ar_index.append(n * T + i)
+            ar_target.append(seq[i + 1])
+        for j, c in enumerate(anchors[n]):
+            for k in range(B):
+                if c + 1 + k < len(seq):
+                    slot_index.append(n * T + Lmax + j * B + k)
+                    slot_target.append(seq[c + 1 + k])
+                    slot_k.append(k)
+                    slot_block.append(n * 1000 + j)
+    t = torch.tensor
+    return Batch(tokens, positions, mask[:, None], t(ar_index), vocab_map[t(ar_target)], t(slot_index),
+                 vocab_map[t(slot_target)], t(slot_k), t(slot_block))
+
+
+def acceptance_from_slots(correct: torch.Tensor, slot_k: torch.Tensor, slot_block: torch.Tensor,
+                          B: int) -> float:
+    """Mean teacher-forced acceptance length (leading correct slots among the first B-1, + 1) over blocks:
+    what synchronous decoding would get at these anchors if the target produced exactly this text."""
+    taus = []
+    for b in slot_block.unique():
+        sel = slot_block == b
+        ok = correct[sel][slot_k[sel].argsort()][:B - 1].tolist()
+        n = 0
+        while n < len(ok) and ok[n]:
+            n += 1
+        taus.append(n + 1)
+    return sum(taus) / max(1, len(taus))
+
+
+def losses(model: Drafter, batch: Batch, cfg: TrainConfig) -> dict[str, torch.Tensor]:
+    h, _ = model.hidden(batch.tokens, mask=batch.mask, positions=batch.positions)
+    h = h.reshape(-1, h.shape[-1])
+    slot_logits = model.head(h[batch.slot_index])
+    w = torch.exp(-batch.slot_k.float() / cfg.gamma) * (batch.slot_target >= 0)
+    ce = F.cross_entropy(slot_logits, batch.slot_target.clamp(min=0), reduction="none")
+    denoise = (ce * w).sum() / w.sum().clamp(min=1e-6)
+    out = {"denoise": denoise}
+    if cfg.ar_weight > 0:
+        out["ar"] = F.cross_entropy(model.head(h[batch.ar_index]), batch.ar_target, ignore_index=-100)
+        out["loss"] = denoise + cfg.ar_weight * out["ar"]
+    else:
+        out["loss"] = denoise
+    with torch.no_grad():
+        correct = (slot_logits.argmax(-1) == batch.slot_target)
+        out["tau"] = torch.tensor(acceptance_from_slots(correct, batch.slot_k, batch.slot_block,
+                                                        model.block_size))
+    return out
+
+
+def draft_vocabulary(examples: list[Example], size: int, vocab_size: int, always: list[int]) -> torch.Tensor:
+    """The `size` most frequent response tokens (plus `always`, e.g. EOS), sorted by id."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for ex in examples:
+        counts += torch.bincount(torch.tensor(ex.response_ids), minlength=vocab_size)
+    counts[torch.tensor(always)] = counts.max() + 1
+    return counts.topk(size).indices.sort().values
+
+
+def vocab_map_for(model: Drafter) -> torch.Tensor:
+    """Full-vocabulary id -> draft-vocabulary index (-100 where the draft head has no row)."""
+    m = torch.full((model.args.vocab_size,), -100, dtype=torch.long)
+    m[model.draft_ids] = torch.arange(len(model.draft_ids))
+    return m
+
+
+def trainable_parameters(model: Drafter) -> list[torch.nn.Parameter]:
+    """The embedding and the LM head stay the target's (frozen); the stack, final norm and mask embedding train."""
+    model.tok_embeddings.requires_grad_(False)
+    model.output.requires_grad_(False)
+    return [p for n, p in model.named_parameters() if not n.startswith(("tok_embeddings", "output"))]
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def _save_state(path: Path, model: Drafter, opt, step: int, history: list) -> None:
+    state = {"model": {k: v for k, v in model.state_dict().items() if k != "tok_embeddings.weight"},
+             "opt": opt.state_dict(), "step": step, "history": history}
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def train(model: Drafter, examples: list[Example], cfg: TrainConfig, run_dir: Path, log=print) -> list[dict]:
+    """Train in place; resumes from run_dir/state.pt if present. Returns the per-step history.
+
+    Works single-process on CPU, and under `accelerate launch` (each process takes its own batches).
+    """
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=not torch.cuda.is_available())
+    run_dir.mkdir(parents=True, exist_ok=True)
+    state_path = run_dir / "state.pt"
+    params = trainable_parameters(model)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    step, history = 0, []
+    if state_path.exists():
+        state = torch.load(state_path, map_location="cpu", weights_only=False)
+        model.load_state_dict(state["model"], strict=False)
+        opt.load_state_dict(state["opt"])
+        step, history = state["step"], state["history"]
+        log(f"resumed from {state_path} at step {step}")
+    model.train()
+    model, opt = acc.prepare(model, opt)
+    core = acc.unwrap_model(model)
+    vmap = vocab_map_for(core)
+    order = list(range(len(examples)))
+    random.Random(cfg.seed).shuffle(order)
+    per_step = cfg.batch_size * acc.num_processes
+    bar = tqdm(total=cfg.steps, initial=step, desc="train", disable=not acc.is_main_process, mininterval=2)
+    while step < cfg.steps:
+        t0 = time.time()
+        start = (step * per_step + acc.process_index * cfg.batch_size) % len(order)
+        idx = [order[(start + i) % len(order)] for i in range(cfg.batch_size)]
+        batch = make_batch([examples[i] for i in idx], cfg, core.block_size, vmap, core.mask_id,
+                           random.Random(cfg.seed * 1_000_003 + step * 97 + acc.process_index))
+        batch = Batch(*[getattr(batch, f.name).to(acc.device) for f in fields(Batch)])
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        out = losses(core if acc.num_processes == 1 else model, batch, cfg)
+        opt.zero_grad(set_to_none=True)
+        acc.backward(out["loss"])
+        acc.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        ntok = batch.tokens.numel()
+        rec = {"step": step, **{k: round(float(v.detach()), 4) for k, v in out.items()}, "lr": lr_at(step - 1, cfg),
+               "tok_s": round(ntok / (time.time() - t0), 1)}
+        history.append(rec)
+        bar.set_postfix(loss=rec["loss"], tau=rec["tau"], tok_s=rec["tok_s"])
+        bar.update(1)
+        if acc.is_main_process and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
+            _save_state(state_path, core, opt, step, history)
+            atomic_write_json(run_dir / "history.json", history)
+            log(f"step {step}: " + " ".join(f"{k}={v}" for k, v in rec.items() if k != "step"))
+    bar.close()
+    model.eval()
+    return history
+
+
+@torch.no_grad()
+def evaluate(model: Drafter, examples: list[Example], cfg: TrainConfig, batches: int = 4) -> dict[str, float]:
+    """Held-out losses and teacher-forced acceptance length (fixed anchors, so comparable across runs)."""
+    was_training = model.training
+    model.eval()
+    vmap, tot = vocab_map_for(model), {}
+    n = min(batches, max(1, len(examples) // cfg.batch_size))
+    for b in range(n):
+        batch = make_batch(examples[b * cfg.batch_size:(b + 1) * cfg.batch_size], cfg, model.block_size, vmap,
+                           model.mask_id, random.Random(1234 + b))
+        for k, v in losses(model, batch, cfg).items():
+            tot[k] = tot.get(k, 0.0) + float(v) / n
+    model.train(was_training)
+    return {k: round(v, 4) for k, v in tot.items()}
+
+
+def train_drafter(target: str | None, data: Path, out: Path, run_dir: Path, layers: list[int],
+                  draft_vocab: int, block_size: int, cfg: TrainConfig, heldout: int = 64) -> dict:
+    """`d3d train`: build a drafter from the target's layers, train it on the distillation data, save it."""
+    import json
+
+    from .data import load_dataset
+    from .drafter import drafter_from_target, save_drafter
+    from .target import DEFAULT_TARGET, load_target
+
+    model, tok, model_dir = load_target(target)
+    examples = load_dataset(data)
+    train_set, held = examples[:-heldout], examples[-heldout:]
+    draft_ids = draft_vocabulary(train_set, draft_vocab, model.args.vocab_size, [tok.eos_token_id]) \
+        if draft_vocab else None
+    drafter = drafter_from_target(model, tok, target or DEFAULT_TARGET, layers, block_size, draft_ids)
+    del model
+    before = evaluate(drafter, held, cfg)
+    history = train(drafter, train_set, cfg, run_dir)
+    after = evaluate(drafter, held, cfg)
+    manifest = json.loads((Path(data) / "manifest.json").read_text())
+    drafter.cfg.training = {"data": str(data), "examples": len(train_set), "heldout": heldout,
+                            "data_response_tokens": manifest.get("response_tokens"), "config": cfg.__dict__,
+                            "steps_done": len(history), "heldout_before": before, "heldout_after": after}
+    save_drafter(drafter, out)
+    atomic_write_json(run_dir / "summary.json", drafter.cfg.training)
+    return drafter.cfg.training

@@ -1,0 +1,194 @@
+"""The D3D drafter: attention layout, training, checkpoints, cache consistency, losslessness."""
+import json
+import random
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from d3d import train as train_mod
+from d3d.data import Example, load_dataset
+from d3d.drafter import (D3DProposer, Drafter, DrafterConfig, drafter_from_target, load_drafter, save_drafter,
+                         tokenizer_fingerprint)
+from d3d.engine import generate
+from d3d.methods import DEFAULT_DRAFTERS
+from d3d.prompts import benchmark_prompt_hashes
+from d3d.target import D3DError, ModelArgs, Transformer
+from d3d.train import TrainConfig, block_layout, make_batch, train, vocab_map_for
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ModelArgs(vocab_size=32, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, intermediate_size=64,
+                 norm_eps=1e-5, rope_theta=10000.0, max_seq_len=256)
+
+
+class TinyTokenizer:
+    eos_token_id = 1
+
+    def get_vocab(self):
+        return {f"t{i}": i for i in range(TINY.vocab_size)}
+
+    def decode(self, ids):
+        return " ".join(f"t{i}" for i in ids)
+
+
+def tiny_drafter(seed: int = 0, block_size: int = 4) -> Drafter:
+    torch.manual_seed(seed)
+    target = Transformer(TINY)
+    return drafter_from_target(target, TinyTokenizer(), "tiny", [0, 1], block_size)
+
+
+def tiny_examples(n: int = 64, seed: int = 0) -> list[Example]:
+    """Sequences with an easy rule (t, t+1, t+2, ... mod V, restarting at random), so a drafter can learn."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        start = rng.randrange(2, TINY.vocab_size)
+        seq = [(start + i) % (TINY.vocab_size - 2) + 2 for i in range(40)]
+        out.append(Example(prompt_ids=seq[:6], response_ids=seq[6:], source="tiny", hash=""))
+    return out
+
+
+def test_block_layout_who_attends_to_whom():
+    positions, mask, block_of, _ = block_layout([6], [[2, 4]], B=3)
+    m = mask[0]
+    assert positions[0].tolist() == [0, 1, 2, 3, 4, 5, 3, 4, 5, 5, 6, 7]
+    assert m[3, :4].all() and not m[3, 4:].any()                  # clean token 3: causal
+    first = range(6, 9)                                             # block anchored at c = 2
+    for q in first:
+        assert m[q, :3].all() and not m[q, 3:6].any()               # context 0..2 only
+        assert m[q, 6:9].all() and not m[q, 9:].any()               # its own block, bidirectional
+    for q in range(9, 12):                                          # block anchored at c = 4
+        assert m[q, :5].all() and not m[q, 5:9].any() and m[q, 9:].all()
+    assert not m[:6, 6:].any()                                      # clean tokens never see slots
+
+
+def test_padding_is_invisible():
+    _, mask, _, _ = block_layout([3, 5], [[1], [1, 3]], B=2)
+    m = mask[0]  # row 0: clean length 3 of 5, one real block (slots 5, 6) and one empty block (7, 8)
+    for pad in (3, 4, 7, 8):
+        others = [q for q in range(9) if q != pad]
+        assert not m[others, pad].any()
+        assert m[pad, pad]  # a pad sees itself, so no softmax row is empty
+
+
+def test_loss_decreases_on_tiny_model(tmp_path):
+    d = tiny_drafter()
+    ex = tiny_examples()
+    cfg = TrainConfig(steps=60, batch_size=8, lr=1e-2, warmup=5, blocks_per_seq=4, checkpoint_every=100)
+    hist = train(d, ex, cfg, tmp_path / "run", log=lambda *_: None)
+    first, last = sum(h["loss"] for h in hist[:5]) / 5, sum(h["loss"] for h in hist[-5:]) / 5
+    assert last < 0.5 * first, (first, last)
+    assert hist[-1]["tau"] > hist[0]["tau"]
+
+
+def test_training_resumes_exactly_after_a_kill(tmp_path, monkeypatch):
+    ex = tiny_examples()
+    cfg = TrainConfig(steps=6, batch_size=4, lr=1e-3, warmup=2, blocks_per_seq=3, checkpoint_every=2)
+    straight = tiny_drafter()
+    train(straight, ex, cfg, tmp_path / "a", log=lambda *_: None)
+
+    calls = {"n": 0}
+    real = train_mod.atomic_write_json
+
+    def dies_after_step_4(path, obj):
+        real(path, obj)
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_mod, "atomic_write_json", dies_after_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny_drafter(), ex, cfg, tmp_path / "b", log=lambda *_: None)
+    monkeypatch.setattr(train_mod, "atomic_write_json", real)
+    resumed = tiny_drafter()
+    hist = train(resumed, ex, cfg, tmp_path / "b", log=lambda *_: None)
+    assert len(hist) == 6
+    for (k, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-6), k
+
+
+def test_checkpoint_round_trip(tmp_path):
+    torch.manual_seed(0)
+    target = Transformer(TINY)
+    d = drafter_from_target(target, TinyTokenizer(), "tiny", [1], 4, draft_ids=torch.tensor([1, 3, 5, 7, 9]))
+    with torch.no_grad():
+        for p in d.layers.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    save_drafter(d, tmp_path / "dr", dtype=torch.float32)
+    back = load_drafter(tmp_path / "dr", target, TinyTokenizer())
+    assert back.cfg == d.cfg
+    for (k, a), b in zip(d.state_dict().items(), back.state_dict().values()):
+        assert torch.equal(a, b), k
+    save_drafter(d, tmp_path / "dr")  # overwrite in place, atomically
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dr"]
+
+
+def test_draft_after_incremental_updates_equals_from_scratch():
+    d = tiny_drafter().eval().requires_grad_(False)
+    seq = [random.Random(1).randrange(TINY.vocab_size) for _ in range(60)]
+    d.setup_cache(1, 256)
+    d.draft_block(seq[:10])
+    d.draft_block(seq[:30])
+    d.draft_block(seq[:25] + [4, 5])          # rejection: roll back and append other tokens
+    incremental = d.draft_block(seq[:40])
+    d.setup_cache(1, 256)
+    d.cached_tokens = []
+    scratch = d.draft_block(seq[:40])
+    assert torch.allclose(incremental, scratch, atol=1e-5)
+    assert d.cached_tokens == seq[:40] and d.cache_len == 40
+
+
+def test_mismatched_target_is_a_clear_error(tmp_path, smol):
+    model, tok, _ = smol
+    save_drafter(tiny_drafter(), tmp_path / "tiny")
+    with pytest.raises(D3DError, match="trained for target 'tiny'"):
+        load_drafter(tmp_path / "tiny", model, tok)
+    r = subprocess.run([sys.executable, "-m", "d3d.cli", "generate", "hello", "--method", "d3d", "--drafter",
+                        str(tmp_path / "tiny"), "--max-new-tokens", "4"], capture_output=True, text=True)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("d3d: error: drafter")
+
+
+def test_d3d_greedy_is_identical_to_ar(smol, prompt_ids):
+    model, tok, model_dir = smol
+    d = load_drafter(DEFAULT_DRAFTERS / model_dir.name, model, tok)
+    proposer = D3DProposer(d, model.args.vocab_size)
+    taus = []
+    for ids in prompt_ids[:5]:
+        ar = generate(model, tok, ids, max_new_tokens=64)
+        sp = generate(model, tok, ids, max_new_tokens=64, proposer=proposer, block_size=d.block_size)
+        assert sp.token_ids == ar.token_ids
+        taus.append(sp.tau)
+    assert max(taus) > 1.0  # the shipped drafter really drafts (accepted tokens exist)
+
+
+def test_shipped_drafter_matches_its_target(smol):
+    model, tok, model_dir = smol
+    cfg = json.loads((DEFAULT_DRAFTERS / model_dir.name / "drafter.json").read_text())
+    assert cfg["target"]["tokenizer"] == tokenizer_fingerprint(tok)
+    assert (DEFAULT_DRAFTERS / model_dir.name / "drafter.safetensors").stat().st_size < 32 * 2**20
+
+
+def test_no_benchmark_test_prompt_in_training_data():
+    examples = load_dataset(ROOT / "data" / "distill")
+    assert len(examples) > 100
+    assert not {e.hash for e in examples} & benchmark_prompt_hashes()
+
+
+def test_make_batch_targets_follow_the_layout():
+    d = tiny_drafter()
+    ex = tiny_examples(2)
+    cfg = TrainConfig(blocks_per_seq=2)
+    b = make_batch(ex, cfg, d.block_size, vocab_map_for(d), d.mask_id, random.Random(0))
+    T = b.tokens.shape[1]
+    for flat, tgt, k in zip(b.slot_index.tolist(), b.slot_target.tolist(), b.slot_k.tolist()):
+        n, t = divmod(flat, T)
+        seq = ex[n].prompt_ids + ex[n].response_ids
+        assert b.tokens[n, t] == d.mask_id and seq[int(b.positions[n, t])] == tgt
+    for flat, tgt in zip(b.ar_index.tolist(), b.ar_target.tolist()):
+        n, t = divmod(flat, T)
+        seq = ex[n].prompt_ids + ex[n].response_ids
+        assert seq[t + 1] == tgt and t >= len(ex[n].prompt_ids) - 1
