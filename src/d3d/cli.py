@@ -204,6 +204,22 @@ def cmd_data(args: argparse.Namespace) -> None:
     print(f"{args.out}: {m['examples']} examples, {m['response_tokens']} response tokens")
 
 
+def cmd_train(args: argparse.Namespace) -> None:
+    from .train import TrainConfig, train_drafter
+
+    if not (Path(args.data) / "manifest.json").exists():
+        raise D3DError(f"no dataset at {args.data} (build one with `d3d data --out {args.data}`)")
+    layers = [int(x) for x in args.layers.split(",")]
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, ar_weight=args.ar_weight,
+                      gamma=args.gamma, blocks_per_seq=args.blocks_per_seq, seed=args.seed)
+    run_dir = Path(args.run_dir or Path(args.out).with_name(Path(args.out).name + ".run"))
+    summary = train_drafter(args.target, Path(args.data), Path(args.out), run_dir, layers, args.draft_vocab,
+                            args.block_size, cfg)
+    print(f"{args.out}: held-out teacher-forced tau {summary['heldout_before']['tau']} -> "
+          f"{summary['heldout_after']['tau']}, loss {summary['heldout_before']['loss']} -> "
+          f"{summary['heldout_after']['loss']}")
+
+
 def _add_target_args(p: argparse.ArgumentParser, device: bool = True) -> None:
     p.add_argument("--target", default=None,
                    help="HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
@@ -261,6 +277,24 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--batch-size", type=int, default=64)
     d.add_argument("--threads", type=int, default=None)
     d.set_defaults(func=cmd_data)
+
+    t = sub.add_parser("train", help="train a D3D drafter on distillation data (resumable; accelerate-ready)")
+    t.add_argument("--target", default=None)
+    t.add_argument("--data", default="data/distill")
+    t.add_argument("--out", required=True, help="drafter folder to write (drafter.safetensors + drafter.json)")
+    t.add_argument("--run-dir", default=None, help="checkpoints and history (default: OUT.run); reused to resume")
+    t.add_argument("--layers", default="26,27,28,29", help="target layers that initialise the drafter stack")
+    t.add_argument("--draft-vocab", type=int, default=8192, help="LM head rows (most frequent tokens); 0 = all")
+    t.add_argument("--block-size", type=int, default=16)
+    t.add_argument("--steps", type=int, default=600)
+    t.add_argument("--batch-size", type=int, default=8)
+    t.add_argument("--lr", type=float, default=3e-4)
+    t.add_argument("--ar-weight", type=float, default=0.5, help="lambda of the auxiliary AR loss")
+    t.add_argument("--gamma", type=float, default=7.0, help="slot k loss weight exp(-k / gamma)")
+    t.add_argument("--blocks-per-seq", type=int, default=12)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--threads", type=int, default=None)
+    t.set_defaults(func=cmd_train)
     return p
 
 
