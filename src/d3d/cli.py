@@ -200,7 +200,7 @@ def cmd_data(args: argparse.Namespace) -> None:
             f.write(msg + "\n")
 
     m = build_dataset(model, tok, Path(args.out), args.target or "SmolLM2-135M-Instruct", args.max_tokens,
-                      args.max_new_tokens, batch_size=args.batch_size, log=log)
+                      args.max_new_tokens, batch_size=args.batch_size, shard_size=args.shard_size, log=log)
     print(f"{args.out}: {m['examples']} examples, {m['response_tokens']} response tokens")
 
 
@@ -275,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-tokens", type=int, default=1_000_000, help="stop once this many response tokens exist")
     d.add_argument("--max-new-tokens", type=int, default=256)
     d.add_argument("--batch-size", type=int, default=64)
+    d.add_argument("--shard-size", type=int, default=128)
     d.add_argument("--threads", type=int, default=None)
     d.set_defaults(func=cmd_data)
 
