@@ -192,3 +192,17 @@ def test_make_batch_targets_follow_the_layout():
         n, t = divmod(flat, T)
         seq = ex[n].prompt_ids + ex[n].response_ids
         assert seq[t + 1] == tgt and t >= len(ex[n].prompt_ids) - 1
+
+
+def test_replayed_acceptance_matches_a_real_run(smol, prompt_ids):
+    from d3d.estimate import replay_acceptance
+
+    model, tok, model_dir = smol
+    d = load_drafter(DEFAULT_DRAFTERS / model_dir.name, model, tok)
+    proposer = D3DProposer(d, model.args.vocab_size)
+    for ids in prompt_ids[:3]:
+        real = generate(model, tok, ids, max_new_tokens=48, proposer=proposer, block_size=d.block_size)
+        replay = replay_acceptance(d, ids, real.token_ids, 48)
+        # the last round may accept drafts past an EOS that the stop rule then cuts; all others agree
+        assert replay[:-1] == real.acceptance_lengths[:-1]
+        assert len(replay) == real.rounds

@@ -1,0 +1,40 @@
+"""Fast acceptance-length estimate: replay synchronous greedy D3D against cached target continuations.
+
+At temperature 0 the verified text of a speculative run is, by losslessness, the target's greedy
+continuation. So given that continuation, every round of a synchronous run can be replayed with the
+drafter alone: draft after the verified prefix, count the leading draft tokens that agree with the
+continuation, advance by that count + 1. The result equals a real `d3d` run's acceptance lengths
+(same drafter, same budget) without a single target forward.
+"""
+from __future__ import annotations
+
+import torch
+
+from .drafter import Drafter
+
+
+@torch.no_grad()
+def replay_acceptance(drafter: Drafter, prompt_ids: list[int], continuation: list[int],
+                      max_new_tokens: int) -> list[int]:
+    """Acceptance lengths of synchronous greedy D3D whose target output is `continuation`."""
+    B = drafter.block_size
+    drafter.setup_cache(1, len(prompt_ids) + len(continuation) + B + 1)
+    drafter.cached_tokens = []
+    out, pos = [], 1  # the first token comes from the target's prefill
+    while pos < len(continuation):
+        k = min(B - 1, max_new_tokens - pos - 1)
+        context = prompt_ids + continuation[:pos]
+        draft = drafter.draft_ids[drafter.draft_block(context)[:k].argmax(-1)].tolist() if k > 0 else []
+        n = 0
+        while n < len(draft) and pos + n < len(continuation) and draft[n] == continuation[pos + n]:
+            n += 1
+        out.append(n + 1)
+        pos += n + 1
+    return out
+
+
+def mean_tau(drafter: Drafter, prompts: list[list[int]], continuations: list[list[int]],
+             max_new_tokens: int) -> float:
+    """Mean acceptance length over all rounds of all prompts (the `tau` that `d3d bench` reports)."""
+    lengths = [a for p, c in zip(prompts, continuations) for a in replay_acceptance(drafter, p, c, max_new_tokens)]
+    return sum(lengths) / max(1, len(lengths))
