@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .drafter import Drafter, sample_draft
+from .drafter import Drafter, draft_generator, sample_draft
 from .engine import GenerationResult, StopChecker, validate_request
 from .packed import keep_prefix, likely_candidates, packed_draft, prefill
 from .target import D3DError
@@ -83,15 +83,6 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _draft_generator(params: SamplingParams, device: torch.device) -> torch.Generator:
-    """The drafter's own stream of randomness, distinct from (not a copy of) the target's: equal seeds
-    would correlate draft sampling with the acceptance draws."""
-    g = torch.Generator(device=device)
-    seed = torch.seed() if params.seed is None else (params.seed * 0x9E3779B97F4A7C15 + 0x2545F491) % 2**64
-    g.manual_seed(seed)
-    return g
-
-
 def _place(drafter: Drafter, draft_device) -> torch.device:
     device = torch.device(draft_device) if draft_device is not None else drafter.draft_ids.device
     if device != drafter.draft_ids.device:
@@ -111,7 +102,7 @@ class DraftWorker:
         self.max_candidates, self.head_all, self.trace = max_candidates, head_all, trace
         self.device = drafter.draft_ids.device
         self.target_device = torch.device(target_device) if target_device is not None else self.device
-        self.generator = _draft_generator(params, self.device)
+        self.generator = draft_generator(params, self.device)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.pool = ThreadPoolExecutor(1) if overlap else None
 

@@ -92,10 +92,24 @@ def cmd_generate(args: argparse.Namespace) -> None:
     _check_device(args.device)
     _check_drafter(args.drafter)
 
+    if args.draft_device:
+        _check_device(args.draft_device)
+    if args.trace and method != "d3d-async":
+        raise D3DError("--trace records the rounds of --method d3d-async")
+
     model, tok, model_dir = _load_target(args.target, args.device)
-    runner = make_runner(method, model, tok, model_dir, drafter=args.drafter, block_size=args.block_size)
+    runner = make_runner(method, model, tok, model_dir, drafter=args.drafter, block_size=args.block_size,
+                         draft_device=args.draft_device)
+    extra = {"trace": []} if args.trace else {}
     res = runner(encode_prompt(tok, args.prompt, args.raw), params=params, max_new_tokens=args.max_new_tokens,
-                 stop=args.stop)
+                 stop=args.stop, **extra)
+    if args.trace:
+        from .async_engine import write_chrome_trace
+        from .plots import plot_timeline
+
+        write_chrome_trace(extra["trace"], args.trace)
+        plot_timeline(extra["trace"], Path(args.trace).with_suffix(".png"))
+        print(f"wrote {args.trace} and {Path(args.trace).with_suffix('.png')}", file=sys.stderr)
     if args.json:
         print(json.dumps({"method": method, **res.to_json()}))
         return
@@ -249,6 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(g, seed=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    g.add_argument("--trace", default=None, help="d3d-async: write a Chrome trace of the rounds (+ a PNG timeline)")
+    g.add_argument("--draft-device", default=None, help="device of the drafter (default: the target's)")
     _add_target_args(g)
     g.set_defaults(func=cmd_generate)
 

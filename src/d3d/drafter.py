@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from .target import D3DError, ModelArgs, Transformer, rope_frequencies
-from .verify import SamplingParams, make_generator
+from .verify import SamplingParams
 
 CONFIG_NAME = "drafter.json"
 WEIGHTS_NAME = "drafter.safetensors"
@@ -188,11 +188,20 @@ class D3DProposer:
     def reset(self, prompt_ids: list[int]) -> None:
         self.drafter.setup_cache(1, self.max_len)
         self.drafter.cached_tokens = []
-        self.generator = make_generator(self.params)
+        self.generator = draft_generator(self.params, self.drafter.draft_ids.device)
 
     def propose(self, tokens: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
         logits = self.drafter.draft_block(tokens)[:k]
         return sample_draft(self.drafter, logits, self.params, self.vocab_size, self.generator)
+
+
+def draft_generator(params: SamplingParams, device: torch.device) -> torch.Generator:
+    """The drafter's own stream of randomness, distinct from (not a copy of) the target's: equal seeds
+    would correlate draft sampling with the acceptance draws."""
+    g = torch.Generator(device=device)
+    seed = torch.seed() if params.seed is None else (params.seed * 0x9E3779B97F4A7C15 + 0x2545F491) % 2**64
+    g.manual_seed(seed)
+    return g
 
 
 def sample_draft(drafter: Drafter, logits: torch.Tensor, params: SamplingParams, vocab_size: int,

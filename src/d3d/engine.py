@@ -119,7 +119,7 @@ def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams | N
     params = params or SamplingParams()
     validate_request(model, prompt_ids, max_new_tokens, block_size)
     device = model.output.weight.device if hasattr(model, "output") else "cpu"
-    gen = make_generator(params)
+    gen = make_generator(params, device)
     stopper = StopChecker(tokenizer, {tokenizer.eos_token_id}, max_new_tokens, stop)
     res = GenerationResult(prompt_ids=list(prompt_ids))
     model.setup_cache(1, len(prompt_ids) + max_new_tokens + block_size + 1)

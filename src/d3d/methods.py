@@ -5,12 +5,13 @@ from functools import partial
 from pathlib import Path
 from typing import Callable
 
+from .async_engine import generate_async
 from .drafter import D3DProposer, load_drafter
 from .engine import GenerationResult, generate
 from .ngram import NgramProposer
 from .target import D3DError
 
-METHODS = ("ar", "ngram", "d3d")
+METHODS = ("ar", "ngram", "d3d", "d3d-async")
 DEFAULT_DRAFTERS = Path(__file__).parent / "assets" / "drafters"
 BEST_METHOD = "ngram"  # what `d3d demo` compares against plain decoding
 
@@ -18,7 +19,7 @@ Runner = Callable[..., GenerationResult]
 
 
 def make_runner(method: str, model, tokenizer, model_dir: Path, drafter: str | None = None,
-                block_size: int = 16) -> Runner:
+                block_size: int = 16, draft_device: str | None = None) -> Runner:
     """A function (prompt_ids, params=..., max_new_tokens=..., stop=...) -> GenerationResult."""
     if method == "ar":
         return partial(generate, model, tokenizer)
@@ -28,6 +29,10 @@ def make_runner(method: str, model, tokenizer, model_dir: Path, drafter: str | N
         d = load_drafter(drafter or default_drafter(model_dir), model, tokenizer, device=_device_of(model))
         proposer = D3DProposer(d, model.args.vocab_size, max_len=model.args.max_seq_len)
         return partial(generate, model, tokenizer, proposer=proposer, block_size=d.block_size)
+    if method == "d3d-async":
+        d = load_drafter(drafter or default_drafter(model_dir), model, tokenizer,
+                         device=draft_device or _device_of(model))
+        return partial(generate_async, model, tokenizer, drafter=d, draft_device=draft_device)
     raise D3DError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
 
 

@@ -1,0 +1,34 @@
+"""Plots: the timeline of one asynchronous generation (which lane worked when)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def plot_timeline(events: list[dict], path: str | Path, max_rounds: int = 12) -> None:
+    """Draw the first rounds' spans of a generate_async trace: target lane (verify) above the drafter lane."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    spans = [e for e in events if e.get("ph") == "X"]
+    verifies = [e for e in spans if e["name"] == "verify"]
+    if len(verifies) > max_rounds:
+        end = verifies[max_rounds]["ts"]
+        spans = [e for e in spans if e["ts"] < end]
+    t0 = min(e["ts"] for e in spans)
+    colors = {"prefill": "0.6", "verify": "tab:blue", "draft": "tab:orange", "sync draft": "tab:red",
+              "pick": "tab:green"}
+    fig, ax = plt.subplots(figsize=(11, 2.6))
+    for e in spans:
+        lane = 1 - e["tid"]
+        ax.broken_barh([((e["ts"] - t0) / 1000, e["dur"] / 1000)], (lane - 0.35, 0.7),
+                       color=colors.get(e["name"], "k"), label=e["name"])
+    handles = {h.get_label(): h for h in ax.collections}
+    ax.legend(handles.values(), handles.keys(), loc="upper right", ncol=5, fontsize=8)
+    ax.set_yticks([1, 0], ["target", "drafter"])
+    ax.set_xlabel("ms since prefill")
+    ax.set_title("d3d-async: verification and packed drafting per round")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
