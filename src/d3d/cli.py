@@ -225,7 +225,8 @@ def cmd_train(args: argparse.Namespace) -> None:
         raise D3DError(f"no dataset at {args.data} (build one with `d3d data --out {args.data}`)")
     layers = [int(x) for x in args.layers.split(",")]
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, ar_weight=args.ar_weight,
-                      gamma=args.gamma, blocks_per_seq=args.blocks_per_seq, seed=args.seed)
+                      gamma=args.gamma, blocks_per_seq=args.blocks_per_seq, seed=args.seed, warmup=args.warmup,
+                      max_prompt_tokens=args.max_prompt_tokens)
     run_dir = Path(args.run_dir or Path(args.out).with_name(Path(args.out).name + ".run"))
     summary = train_drafter(args.target, Path(args.data), Path(args.out), run_dir, layers, args.draft_vocab,
                             args.block_size, cfg)
@@ -305,7 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--block-size", type=int, default=16)
     t.add_argument("--steps", type=int, default=600)
     t.add_argument("--batch-size", type=int, default=8)
-    t.add_argument("--lr", type=float, default=3e-4)
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--warmup", type=int, default=10)
+    t.add_argument("--max-prompt-tokens", type=int, default=64, help="prompt tail kept as training context")
     t.add_argument("--ar-weight", type=float, default=0.5, help="lambda of the auxiliary AR loss")
     t.add_argument("--gamma", type=float, default=7.0, help="slot k loss weight exp(-k / gamma)")
     t.add_argument("--blocks-per-seq", type=int, default=12)

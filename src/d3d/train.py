@@ -27,13 +27,13 @@ from .drafter import Drafter
 class TrainConfig:
     steps: int = 600
     batch_size: int = 8
-    lr: float = 3e-4
-    warmup: int = 30
+    lr: float = 1e-3
+    warmup: int = 10
     weight_decay: float = 0.01
     ar_weight: float = 0.5          # lambda
     gamma: float = 7.0              # slot k weight exp(-k / gamma)
     blocks_per_seq: int = 12
-    max_prompt_tokens: int = 128
+    max_prompt_tokens: int = 64
     checkpoint_every: int = 25
     seed: int = 0
 
