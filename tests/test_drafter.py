@@ -206,3 +206,28 @@ def test_replayed_acceptance_matches_a_real_run(smol, prompt_ids):
         # the last round may accept drafts past an EOS that the stop rule then cuts; all others agree
         assert replay[:-1] == real.acceptance_lengths[:-1]
         assert len(replay) == real.rounds
+
+
+def test_d3d_async_greedy_is_identical_to_ar_on_real_prompts(smol, prompt_ids):
+    from d3d.async_engine import generate_async
+
+    model, tok, model_dir = smol
+    d = load_drafter(DEFAULT_DRAFTERS / model_dir.name, model, tok)
+    for ids in prompt_ids[:3]:
+        ar = generate(model, tok, ids, max_new_tokens=48)
+        res = generate_async(model, tok, ids, max_new_tokens=48, drafter=d)
+        assert res.token_ids == ar.token_ids
+        assert res.stats["packed_hits"] + res.stats["fallbacks"] == res.rounds - 1
+
+
+def test_cli_trace_writes_chrome_trace_and_plot(tmp_path):
+    trace = tmp_path / "trace.json"
+    r = subprocess.run([sys.executable, "-m", "d3d.cli", "generate", "What is 12 * 7?", "--method", "d3d-async",
+                        "--max-new-tokens", "24", "--trace", str(trace), "--json"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {e["name"] for e in events if e.get("ph") == "X"}
+    assert {"verify", "prefill"} <= names and ("draft" in names or "sync draft" in names)
+    assert trace.with_suffix(".png").stat().st_size > 1000
+    out = json.loads(r.stdout)
+    assert out["method"] == "d3d-async" and out["new_tokens"] > 0 and "hit_rate" in out
