@@ -177,7 +177,7 @@ def generate_async(model, tokenizer, prompt_ids: list[int], params: SamplingPara
                    max_new_tokens: int = 128, drafter: Drafter | None = None, stop: list[str] | None = None,
                    draft_device=None, overlap: bool = True, trace: list | None = None,
                    max_candidates: int | None = None, successor_slots: int | None = None,
-                   head_all: bool = False) -> AsyncGenerationResult:
+                   head_all: bool = False, on_round=None) -> AsyncGenerationResult:
     """Asynchronous D3D decoding with the drafter's block size B (B - 1 drafts per verified block).
 
     overlap=False runs the packed pass and verification one after the other (same output), to measure
@@ -187,6 +187,7 @@ def generate_async(model, tokenizer, prompt_ids: list[int], params: SamplingPara
     trace collects Chrome-trace spans. On CPU the worker thread shares torch's intra-op thread count,
     which is process-wide (torch.set_num_threads in one thread changes it for all): with 2 cores,
     torch.set_num_threads(1) gives each side one core.
+    on_round(chunk, accepted): as in d3d.engine.generate (called after each round's chunk is appended).
     """
     if drafter is None:
         raise D3DError("generate_async needs a drafter")
@@ -221,6 +222,8 @@ def generate_async(model, tokenizer, prompt_ids: list[int], params: SamplingPara
         tokens = list(prompt_ids) + [first]
         chunk, reason = stopper.clip([], [first])
         res.token_ids = chunk
+        if on_round is not None:
+            on_round(chunk, 0)
         block = None
         while reason is None:
             remaining = max_new_tokens - len(res.token_ids)
@@ -255,6 +258,8 @@ def generate_async(model, tokenizer, prompt_ids: list[int], params: SamplingPara
             tokens += chunk
             chunk, reason = stopper.clip(res.token_ids, chunk)
             res.token_ids += chunk
+            if on_round is not None:
+                on_round(chunk, n)
             block = w.pick(out[cands.index(n)]) if reason is None and n in cands else None
             for key, value in zip(_STAT_LISTS, ((v1 - v0) / 1e6, (p1 - p0) / 1e6, (w1 - v1) / 1e6, (s1 - s0) / 1e6,
                                                 (_now_us() - w1) / 1e6, len(cands))):

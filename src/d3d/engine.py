@@ -113,9 +113,13 @@ def _sync(device) -> None:
 @torch.no_grad()
 def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams | None = None,
              max_new_tokens: int = 128, proposer: Proposer | None = None, block_size: int = 16,
-             stop: list[str] | None = None) -> GenerationResult:
+             stop: list[str] | None = None, on_round=None) -> GenerationResult:
     """Plain decoding when `proposer` is None, else synchronous speculative decoding with blocks of
-    `block_size` tokens (one pending token + up to block_size - 1 drafts) verified per target forward."""
+    `block_size` tokens (one pending token + up to block_size - 1 drafts) verified per target forward.
+
+    on_round(chunk, accepted), if given, is called with the tokens each round adds to the output (after
+    stop clipping) and the number of drafts accepted in it; the prefill's first token comes as a round
+    with accepted=0. An exception it raises aborts the generation (used to stop streaming early)."""
     params = params or SamplingParams()
     validate_request(model, prompt_ids, max_new_tokens, block_size)
     device = model.output.weight.device if hasattr(model, "output") else "cpu"
@@ -136,6 +140,8 @@ def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams | N
     tokens = list(prompt_ids) + [first]
     chunk, reason = stopper.clip([], [first])
     res.token_ids = chunk
+    if on_round is not None:
+        on_round(chunk, 0)
     while reason is None:
         if proposer is None:
             logits = model(torch.tensor([[tokens[-1]]], device=device))
@@ -153,6 +159,8 @@ def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams | N
         tokens += chunk
         chunk, reason = stopper.clip(res.token_ids, chunk)
         res.token_ids += chunk
+        if on_round is not None:
+            on_round(chunk, res.acceptance_lengths[-1] - 1)
     _sync(device)
     res.decode_s = time.perf_counter() - t1
     res.finish_reason = reason
