@@ -5,12 +5,18 @@ of the machine (thermal, other jobs) hits all methods alike. Timing is decode on
 is identical for every method, is excluded. A method's time per output token (tpot) is its total
 decode time over its total decoded tokens (each generation's first token comes from the prefill, so
 a generation of n tokens counts n - 1); speedup_vs_ar = AR's tpot / the method's tpot.
+
+A benchmark item is a user message (str) or a MultiTurn (MT-Bench): every turn of it is a measured
+prompt, and turn k > 1 is asked in a chat holding the earlier turns and the target's greedy (AR) answers
+to them (at temperature 0 that is the measured AR generation itself; when sampling, an extra unrecorded
+greedy AR generation).
 """
 from __future__ import annotations
 
 import json
 import os
 import platform
+import subprocess
 from pathlib import Path
 
 import torch
@@ -18,6 +24,7 @@ from tqdm import tqdm
 
 from .engine import GenerationResult, validate_request
 from .methods import Runner
+from .prompts import BenchItem, MultiTurn
 from .target import D3DError, encode_prompt
 from .verify import SamplingParams
 
@@ -57,18 +64,46 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def git_commit() -> tuple[str | None, bool | None]:
+    """(HEAD commit, whether tracked files differ from it) of the checkout d3d runs from; None if none."""
+    here = Path(__file__).resolve().parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(here), *args], capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+    try:
+        commit = git("rev-parse", "HEAD")
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+    try:
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        dirty = None
+    return commit, dirty
+
+
 def machine_info(device: str) -> dict:
+    commit, dirty = git_commit()
     info = {"cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "device": device, "python": platform.python_version()}
+            "threads": torch.get_num_threads(), "device": device, "python": platform.python_version(),
+            "git_commit": commit, "git_dirty": dirty}
     if device.startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
     return info
 
 
-def _prompt_row(benchmark: str, method: str, index: int, r: GenerationResult, save_outputs: bool) -> dict:
+_BASE_KEYS = frozenset(GenerationResult([]).to_json())
+
+
+def _prompt_row(benchmark: str, method: str, index: int, r: GenerationResult, save_outputs: bool,
+                item: int | None = None, turn: int | None = None) -> dict:
     row = {"benchmark": benchmark, "method": method, "prompt_index": index, "new_tokens": r.new_tokens,
            "rounds": r.rounds, "decode_s": round(r.decode_s, 5), "tau": round(r.tau, 4),
            "acceptance_lengths": r.acceptance_lengths, "finish_reason": r.finish_reason}
+    if turn is not None:
+        row["item"], row["turn"] = item, turn
+    # method-specific stats (d3d-async: packed_hits, fallbacks, hit_rate, mean_*_ms) pass through
+    row.update({k: v for k, v in r.to_json().items() if k not in _BASE_KEYS})
     if save_outputs:
         row["token_ids"] = r.token_ids
         row["text"] = r.text
@@ -80,53 +115,103 @@ def _tpot(results: list[GenerationResult]) -> float:
     return sum(r.decode_s for r in results) / decoded
 
 
+def tau_histogram(results: list[GenerationResult], block_size: int = 16) -> list[int]:
+    """Counts of rounds by acceptance length: entry k - 1 counts rounds of length k, k = 1..B, where B is
+    the block size (or the longest acceptance seen, if longer)."""
+    lengths = [a for r in results for a in r.acceptance_lengths]
+    hist = [0] * max([block_size, *lengths])
+    for a in lengths:
+        hist[a - 1] += 1
+    return hist
+
+
 def _summary(benchmark: str, method: str, results: list[GenerationResult], ar: list[GenerationResult],
-             greedy: bool) -> dict:
+             greedy: bool, block_size: int = 16) -> dict:
     rounds = sum(r.rounds for r in results)
     tpot, ar_tpot = _tpot(results), _tpot(ar)
     lossless = all(r.token_ids == a.token_ids for r, a in zip(results, ar)) if greedy else None
-    return {"benchmark": benchmark, "method": method, "prompts": len(results),
-            "tau": round(sum(sum(r.acceptance_lengths) for r in results) / max(1, rounds), 4),
-            "tokens_per_s": round(1 / tpot, 3) if tpot > 0 else 0.0, "tpot_s": round(tpot, 6),
-            "speedup_vs_ar": 1.0 if method == "ar" else round(ar_tpot / tpot, 4) if tpot > 0 else 0.0,
-            "lossless": lossless, "new_tokens": sum(r.new_tokens for r in results)}
+    row = {"benchmark": benchmark, "method": method, "prompts": len(results),
+           "tau": round(sum(sum(r.acceptance_lengths) for r in results) / max(1, rounds), 4),
+           "tokens_per_s": round(1 / tpot, 3) if tpot > 0 else 0.0, "tpot_s": round(tpot, 6),
+           "speedup_vs_ar": 1.0 if method == "ar" else round(ar_tpot / tpot, 4) if tpot > 0 else 0.0,
+           "lossless": lossless, "new_tokens": sum(r.new_tokens for r in results),
+           "tau_histogram": tau_histogram(results, block_size)}
+    stats = [r.to_json() for r in results]
+    if stats and all("packed_hits" in s for s in stats):
+        hits, fallbacks = sum(s["packed_hits"] for s in stats), sum(s.get("fallbacks", 0) for s in stats)
+        row.update(packed_hits=hits, fallbacks=fallbacks, packed_hit_rate=round(hits / max(1, hits + fallbacks), 4))
+    return row
 
 
-def run_bench(model, tokenizer, runners: dict[str, Runner], prompts: dict[str, list[str]],
+def encode_chat(tokenizer, messages: list[dict], raw: bool = False) -> list[int]:
+    """Token ids of a chat (user/assistant messages) ending with the generation prompt; one user message
+    is exactly encode_prompt. Raw (or without a chat template): the contents joined by blank lines."""
+    if len(messages) == 1:
+        return encode_prompt(tokenizer, messages[0]["content"], raw)
+    if raw or not tokenizer.chat_template:
+        return tokenizer.encode("\n\n".join(m["content"] for m in messages), add_special_tokens=False)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def _turns(item: BenchItem) -> list[str]:
+    return list(item.turns) if isinstance(item, MultiTurn) else [item]
+
+
+def run_bench(model, tokenizer, runners: dict[str, Runner], prompts: dict[str, list[BenchItem]],
               params: SamplingParams, max_new_tokens: int, raw: bool = False, save_outputs: bool = False,
               block_size: int = 16, progress: bool = True) -> dict:
     """Run every runner on every prompt of every benchmark; returns {"results": [...], "per_prompt": [...]}.
 
-    `runners` must contain "ar" (the reference). With a seed, prompt i of a benchmark is sampled with
-    seed + i for every method, so methods see the same random streams per prompt.
+    `runners` must contain "ar" (the reference). Items are user messages or MultiTurn chats (each turn
+    a measured prompt, see the module doc). With a seed, measured prompt i of a benchmark is sampled
+    with seed + i for every method, so methods see the same random streams per prompt.
     """
     if "ar" not in runners:
         raise D3DError("the benchmark needs the 'ar' method as its reference")
     methods = ["ar"] + [m for m in runners if m != "ar"]
-    encoded = {b: [encode_prompt(tokenizer, p, raw) for p in ps] for b, ps in prompts.items()}
-    for ids_list in encoded.values():
-        for ids in ids_list:
-            validate_request(model, ids, max_new_tokens, block_size)
+    # every prompt must fit before anything runs; a later turn is checked with room for the earlier answers
+    for items in prompts.values():
+        for item in items:
+            turns = _turns(item)
+            for t in range(len(turns)):
+                chat = [m for u in turns[:t] for m in ({"role": "user", "content": u},
+                                                       {"role": "assistant", "content": ""})]
+                ids = encode_chat(tokenizer, chat + [{"role": "user", "content": turns[t]}], raw)
+                validate_request(model, ids, max_new_tokens + t * (max_new_tokens + 8), block_size)
 
-    first = next(ids for ids_list in encoded.values() for ids in ids_list)
+    first = encode_chat(tokenizer, [{"role": "user", "content": _turns(next(
+        item for items in prompts.values() for item in items))[0]}], raw)
     for m in methods:  # warm-up (allocations, lazy init), not recorded
         runners[m](first, params=params, max_new_tokens=min(max_new_tokens, 8))
 
-    total = sum(len(v) for v in encoded.values()) * len(methods)
+    total = sum(len(_turns(item)) for items in prompts.values() for item in items) * len(methods)
     bar = tqdm(total=total, desc="bench", unit="gen", disable=not progress)
     results, per_prompt = [], []
-    for benchmark, ids_list in encoded.items():
+    for benchmark, items in prompts.items():
         outs: dict[str, list[GenerationResult]] = {m: [] for m in methods}
-        for i, ids in enumerate(ids_list):
-            seed = None if params.seed is None else params.seed + i
-            p = SamplingParams(params.temperature, params.top_k, params.top_p, seed)
-            for m in methods:
-                r = runners[m](ids, params=p, max_new_tokens=max_new_tokens)
-                outs[m].append(r)
-                per_prompt.append(_prompt_row(benchmark, m, i, r, save_outputs))
-                bar.set_postfix_str(f"{benchmark} {m} tau={r.tau:.2f}")
-                bar.update()
-        results += [_summary(benchmark, m, outs[m], outs["ar"], params.greedy) for m in methods]
+        i = 0  # measured prompt index within the benchmark
+        for item_index, item in enumerate(items):
+            turns, chat = _turns(item), []
+            for t, user in enumerate(turns):
+                chat.append({"role": "user", "content": user})
+                ids = encode_chat(tokenizer, chat, raw)
+                validate_request(model, ids, max_new_tokens, block_size)
+                seed = None if params.seed is None else params.seed + i
+                p = SamplingParams(params.temperature, params.top_k, params.top_p, seed)
+                multi = (item_index, t + 1) if isinstance(item, MultiTurn) else (None, None)
+                for m in methods:
+                    r = runners[m](ids, params=p, max_new_tokens=max_new_tokens)
+                    outs[m].append(r)
+                    per_prompt.append(_prompt_row(benchmark, m, i, r, save_outputs, *multi))
+                    bar.set_postfix_str(f"{benchmark} {m} tau={r.tau:.2f}")
+                    bar.update()
+                if t + 1 < len(turns):  # the next turn sees the target's own greedy answer
+                    answer = outs["ar"][-1] if params.greedy else \
+                        runners["ar"](ids, params=SamplingParams(), max_new_tokens=max_new_tokens)
+                    chat.append({"role": "assistant", "content": answer.text})
+                i += 1
+        results += [_summary(benchmark, m, outs[m], outs["ar"], params.greedy, block_size) for m in methods]
     bar.close()
     return {"results": results, "per_prompt": per_prompt}
 

