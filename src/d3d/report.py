@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .target import D3DError
+from .errors import D3DError
 
 _ROW_KEYS = ("benchmark", "method", "tau", "speedup_vs_ar", "tokens_per_s")
 
