@@ -5,6 +5,8 @@ from functools import partial
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from .async_engine import generate_async
 from .drafter import D3DProposer, load_drafter
 from .engine import GenerationResult, generate
@@ -32,7 +34,8 @@ def make_runner(method: str, model, tokenizer, model_dir: Path, drafter: str | N
     if method == "d3d-async":
         d = load_drafter(drafter or default_drafter(model_dir), model, tokenizer,
                          device=draft_device or _device_of(model))
-        return partial(generate_async, model, tokenizer, drafter=d, draft_device=draft_device)
+        run = partial(generate_async, model, tokenizer, drafter=d, draft_device=draft_device)
+        return _split_cpu_threads(run) if _device_of(d) == "cpu" == _device_of(model) else run
     raise D3DError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
 
 
@@ -44,6 +47,22 @@ def parse_methods(spec: str) -> list[str]:
     if not methods:
         raise D3DError("no method given")
     return methods
+
+
+def _split_cpu_threads(run: Runner) -> Runner:
+    """On one CPU the verifier (main thread) and the drafter (worker thread) each run their own OpenMP
+    team; with the full thread count on both, 2 x N threads fight over N cores and both collapse. So
+    each side gets half the cores while an asynchronous generation runs."""
+
+    def wrapped(*args, **kwargs) -> GenerationResult:
+        n = torch.get_num_threads()
+        torch.set_num_threads(max(1, n // 2))
+        try:
+            return run(*args, **kwargs)
+        finally:
+            torch.set_num_threads(n)
+
+    return wrapped
 
 
 def _device_of(model) -> str:
