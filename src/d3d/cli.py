@@ -250,6 +250,23 @@ def cmd_train(args: argparse.Namespace) -> None:
           f"{summary['heldout_after']['loss']}")
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    from .api import load
+    from .methods import BEST_METHOD
+    from .server import serve
+
+    if not 0 <= args.port <= 65535:
+        raise D3DError(f"--port must be in 0..65535 (got {args.port})")
+    if args.max_queue < 0:
+        raise D3DError(f"--max-queue must be >= 0 (got {args.max_queue})")
+    _check_device(args.device)
+    _check_drafter(args.drafter)
+    gen = load(args.target, args.method or BEST_METHOD, args.drafter, device=args.device, block_size=args.block_size)
+    print(f"d3d serve: {gen.name} with method {gen.method} on http://{args.host}:{args.port} "
+          f"(web page at /, OpenAI API at /v1)", file=sys.stderr, flush=True)
+    serve(gen, args.host, args.port, args.max_queue)
+
+
 def _add_target_args(p: argparse.ArgumentParser, device: bool = True) -> None:
     p.add_argument("--target", default=None,
                    help="HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
@@ -339,6 +356,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--threads", type=int, default=None)
     t.set_defaults(func=cmd_train)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with streaming, a live web page and /metrics")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000, help="0 = any free port")
+    s.add_argument("--method", default=None, help="decoding method (default: d3d.methods.BEST_METHOD)")
+    s.add_argument("--max-queue", type=int, default=16, help="requests that may wait behind the running one (503 beyond)")
+    _add_target_args(s)
+    s.set_defaults(func=cmd_serve)
     return p
 
 

@@ -1,0 +1,152 @@
+"""The Python API: `from d3d import load; gen = load(); print(gen.generate("Hello!"))`.
+
+`load` reads the target once (and the drafter, for drafter-based methods); the returned `Generator`
+answers prompts one at a time (a lock serialises callers from several threads, since the target's KV
+cache is shared). The server (d3d.server) drives the same object.
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .engine import GenerationResult, validate_request
+from .methods import BEST_METHOD, make_runner, parse_methods
+from .target import D3DError, load_target
+from .verify import SamplingParams
+
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def check_messages(messages) -> list[dict]:
+    """Chat messages as the tokenizer's chat template wants them: a non-empty list of
+    {"role": system|user|assistant, "content": str}; OpenAI-style content lists of text parts are joined.
+    Raises D3DError with a message naming the offending field."""
+    if not isinstance(messages, list):
+        raise D3DError("'messages' must be a list of {role, content} objects")
+    if not messages:
+        raise D3DError("'messages' must not be empty")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise D3DError(f"messages[{i}] must be an object with 'role' and 'content'")
+        role, content = m.get("role"), m.get("content")
+        if role not in CHAT_ROLES:
+            raise D3DError(f"messages[{i}].role: unknown role {role!r}; expected one of {', '.join(CHAT_ROLES)}")
+        if isinstance(content, list):  # [{"type": "text", "text": "..."}, ...]
+            parts = []
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise D3DError(f"messages[{i}].content: only text parts are supported")
+                parts.append(part["text"])
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise D3DError(f"messages[{i}].content must be a string")
+        out.append({"role": role, "content": content})
+    if not any(m["content"].strip() for m in out):
+        raise D3DError("empty prompt: every message is empty")
+    return out
+
+
+class Generator:
+    """One target + one decoding method. Build it with `load()`."""
+
+    def __init__(self, model, tokenizer, model_dir: Path, method: str, runner: Callable[..., GenerationResult],
+                 block_size: int = 16):
+        self.model, self.tokenizer, self.model_dir = model, tokenizer, Path(model_dir)
+        self.method, self.runner, self.block_size = method, runner, block_size
+        self._lock = threading.Lock()
+
+    @property
+    def name(self) -> str:
+        """The model's name (its folder), as served in /v1/models."""
+        return self.model_dir.name
+
+    @property
+    def context_window(self) -> int:
+        return self.model.args.max_seq_len
+
+    def encode(self, prompt: str | list[dict], raw: bool = False) -> list[int]:
+        """Token ids of a prompt: a string goes through the chat template as one user message (unless
+        `raw`); a list of chat messages goes through the chat template whole."""
+        tok = self.tokenizer
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise D3DError("empty prompt")
+            if raw or not tok.chat_template:
+                return tok.encode(prompt, add_special_tokens=False)
+            messages = [{"role": "user", "content": prompt}]
+        else:
+            if raw:
+                raise D3DError("raw=True takes a string prompt, not chat messages")
+            messages = check_messages(prompt)
+            if not tok.chat_template:
+                return tok.encode("\n".join(m["content"] for m in messages), add_special_tokens=False)
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def check(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+        """Raise D3DError if the request cannot run (empty, max_new_tokens <= 0, context overflow)."""
+        validate_request(self.model, prompt_ids, max_new_tokens, self.block_size)
+
+    def run(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
+            stop: list[str] | None = None, on_round=None) -> GenerationResult:
+        """Generate from token ids (serialised: one generation at a time)."""
+        self.check(prompt_ids, max_new_tokens)
+        with self._lock:
+            return self.runner(prompt_ids, params=params, max_new_tokens=max_new_tokens, stop=stop or None,
+                               on_round=on_round)
+
+    def generate(self, prompt: str | list[dict], max_new_tokens: int = 128, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int | None = None, stop: str | list[str] | None = None,
+                 raw: bool = False, top_k: int = 0, return_result: bool = False, on_round=None):
+        """The answer's text (a str), or the whole GenerationResult with `return_result=True` (token_ids,
+        acceptance_lengths, tau, tokens_per_s, finish_reason, text, ...).
+
+        prompt: a user message (through the chat template unless `raw`) or a list of chat messages.
+        temperature 0 = greedy (exactly the target's own output); stop: string(s) that end the answer
+        (not included); on_round(chunk_token_ids, accepted_drafts) is called after every round.
+        """
+        params = SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), seed=seed)
+        if isinstance(stop, str):
+            stop = [stop]
+        res = self.run(self.encode(prompt, raw), params, max_new_tokens, stop, on_round)
+        return res if return_result else res.text
+
+    __call__ = generate
+
+    def __repr__(self) -> str:
+        return f"Generator(model={self.name!r}, method={self.method!r})"
+
+
+def _block_size(runner, default: int) -> int:
+    kw = getattr(runner, "keywords", {}) or {}
+    if "drafter" in kw:
+        return kw["drafter"].block_size
+    if "proposer" in kw and hasattr(kw["proposer"], "drafter"):
+        return kw["proposer"].drafter.block_size
+    return kw.get("block_size", default)
+
+
+def load(target: str | None = None, method: str = BEST_METHOD, drafter: str | None = None,
+         threads: int | None = None, device: str = "cpu", block_size: int = 16) -> Generator:
+    """Load a target and a decoding method; returns a Generator (see Generator.generate).
+
+    target: a Hugging Face model folder or .gguf file (None = the embedded SmolLM2-135M-Instruct);
+    method: one of d3d.methods.METHODS (default: BEST_METHOD); drafter: checkpoint for drafter-based
+    methods (None = the one shipped for the target); threads: torch CPU threads (None = leave torch's
+    setting alone; it is process-wide)."""
+    methods = parse_methods(method)
+    if len(methods) != 1:
+        raise D3DError("load takes exactly one method")
+    if threads is not None:
+        if threads < 1:
+            raise D3DError(f"threads must be >= 1 (got {threads})")
+        torch.set_num_threads(threads)
+    if drafter is not None and not Path(drafter).expanduser().exists():
+        raise D3DError(f"drafter path does not exist: {drafter}")
+    model, tok, model_dir = load_target(target, device)
+    runner = make_runner(methods[0], model, tok, model_dir, drafter=drafter, block_size=block_size)
+    return Generator(model, tok, model_dir, methods[0], runner, _block_size(runner, block_size))
