@@ -1,0 +1,43 @@
+"""Shared fixtures: the real default target (loaded once per session) and a few real prompts."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from d3d.prompts import benchmark_prompts
+from d3d.target import encode_prompt, load_target
+
+CHAT_PROMPTS = [
+    "Write a short poem about the sea.",
+    "Explain in two sentences why the sky is blue.",
+]
+
+
+@pytest.fixture(scope="session")
+def smol():
+    """(model, tokenizer, model_dir) of the embedded default target, SmolLM2-135M-Instruct in fp32.
+
+    One thread by default: on a shared 2-core machine a second torch thread waits for a busy core at every
+    op (measured: a 6-token forward takes 2-3 s with 2 threads vs 0.13 s with 1 while another job runs).
+    D3D_TEST_THREADS overrides it."""
+    torch.set_num_threads(int(os.environ.get("D3D_TEST_THREADS", "1")))
+    return load_target(None)
+
+
+def real_prompts(tokenizer, n_gsm8k: int = 5) -> list[list[int]]:
+    """Chat-templated token ids of the first `n_gsm8k` GSM8K test questions, then CHAT_PROMPTS."""
+    texts = benchmark_prompts("gsm8k", n_gsm8k) + CHAT_PROMPTS
+    return [encode_prompt(tokenizer, t) for t in texts]
+
+
+@pytest.fixture(scope="session")
+def prompt_ids(smol) -> list[list[int]]:
+    return real_prompts(smol[1])
+
+
+@pytest.fixture(scope="session")
+def short_answer_ids(smol) -> list[int]:
+    """A prompt the default target answers in about 8 tokens, ending with EOS."""
+    return encode_prompt(smol[1], "What is the capital of France? Answer briefly.")

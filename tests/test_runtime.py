@@ -1,0 +1,190 @@
+"""Our Llama-family runtime on the real default target: logits match transformers', the KV cache rolls
+back exactly, and explicit attention masks / positions behave like separate runs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+TOL_HF = 1e-4
+TOL_SAME = 1e-5
+
+
+@pytest.fixture(scope="module")
+def hf_model(smol):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smol[2], dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def sequences(prompt_ids) -> list[list[int]]:
+    """Three real chat-templated prompts (GSM8K and chat) of different lengths."""
+    return [prompt_ids[0], prompt_ids[1], prompt_ids[-1]]
+
+
+def run(model, tokens: list[int], **kw) -> torch.Tensor:
+    return model(torch.tensor([tokens]), **kw)[0]
+
+
+def run_chunks(model, tokens: list[int], sizes: list[int]) -> torch.Tensor:
+    """Feed `tokens` into a fresh cache in chunks of `sizes` (the rest in one last chunk); [T, V] logits."""
+    model.setup_cache(1, len(tokens) + 8)
+    out, pos = [], 0
+    for size in sizes + [len(tokens)]:
+        if pos < len(tokens):
+            out.append(run(model, tokens[pos:pos + size]))
+            pos += size
+    assert model.cache_len == len(tokens)
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def test_logits_match_transformers_full_and_incremental(smol, hf_model, sequences):
+    model = smol[0]
+    for tokens in sequences:
+        ref = hf_model(torch.tensor([tokens])).logits[0]
+        model.setup_cache(1, len(tokens) + 8)
+        full = run(model, tokens)
+        assert full.shape == ref.shape
+        assert (full - ref).abs().max() <= TOL_HF
+        split = len(tokens) // 2
+        incremental = run_chunks(model, tokens, [split, 1, 3, 1, 7])
+        assert (incremental - ref).abs().max() <= TOL_HF
+        assert torch.equal(incremental.argmax(-1), ref.argmax(-1))
+
+
+@torch.no_grad()
+def test_last_only_returns_the_last_row(smol, sequences):
+    model, tokens = smol[0], sequences[1]
+    model.setup_cache(1, len(tokens) + 8)
+    full = run(model, tokens)
+    model.setup_cache(1, len(tokens) + 8)
+    last = run(model, tokens, last_only=True)
+    assert last.shape == (1, full.shape[-1])
+    assert (last[0] - full[-1]).abs().max() <= TOL_HF
+
+
+@torch.no_grad()
+def test_rollback_leaves_no_trace(smol, sequences):
+    """Decode a draft, roll it back, decode different tokens: exactly the logits of a run that never saw the
+    draft (same forward shapes, so no kernel differences are allowed either)."""
+    model, prompt = smol[0], sequences[1]
+    g = torch.Generator().manual_seed(0)
+    rejected, new = (torch.randint(model.args.vocab_size, (n,), generator=g).tolist() for n in (7, 4))
+    model.setup_cache(1, len(prompt) + 16)
+    run(model, prompt)
+    run(model, rejected)
+    model.rollback(len(prompt))
+    after_rollback = run(model, new)
+    model.setup_cache(1, len(prompt) + 16)
+    run(model, prompt)
+    fresh = run(model, new)
+    assert (after_rollback - fresh).abs().max() <= TOL_SAME
+
+
+@torch.no_grad()
+def test_engine_style_rounds_match_fresh_run(smol, sequences):
+    """Rounds as the engine runs them: feed the pending token + a draft, keep part of the draft, roll back,
+    go on. The kept tokens' cache entries were computed next to rejected ones; a fresh run over the kept
+    sequence must agree (up to kernel differences between chunkings, far below any real error)."""
+    model, prompt = smol[0], sequences[1]
+    vocab = model.args.vocab_size
+    g = torch.Generator().manual_seed(0)
+    model.setup_cache(1, len(prompt) + 64)
+    run(model, prompt[:-1])
+    kept = list(prompt[:-1])
+    pending = prompt[-1]
+    for keep in (0, 3, 5, 1):
+        draft = torch.randint(vocab, (5,), generator=g).tolist()
+        run(model, [pending] + draft)
+        assert model.cache_len == len(kept) + 6
+        model.rollback(len(kept) + 1 + keep)
+        kept += [pending] + draft[:keep]
+        pending = int(torch.randint(vocab, (1,), generator=g))
+    assert model.cache_len == len(kept)
+    new = torch.randint(vocab, (4,), generator=g).tolist()
+    after_rollback = run(model, [pending] + new)
+
+    model.setup_cache(1, len(kept) + 16)
+    run(model, kept)
+    chunked = run(model, [pending] + new)
+    model.setup_cache(1, len(kept) + 16)
+    whole = run(model, kept + [pending] + new)[len(kept):]
+    for fresh in (chunked, whole):
+        assert (after_rollback - fresh).abs().max() <= TOL_HF
+        assert torch.equal(after_rollback.argmax(-1), fresh.argmax(-1))
+
+
+@torch.no_grad()
+def test_rollback_to_zero_and_invalid_lengths(smol, sequences):
+    model, tokens = smol[0], sequences[2]
+    model.setup_cache(1, len(tokens) + 8)
+    first = run(model, tokens)
+    model.rollback(0)
+    assert model.cache_len == 0
+    again = run(model, tokens)
+    assert (first - again).abs().max() <= TOL_SAME
+    for bad in (len(tokens) + 1, -1):
+        with pytest.raises(ValueError):
+            model.rollback(bad)
+    assert model.cache_len == len(tokens)
+
+
+def causal_mask(T: int, start: int) -> torch.Tensor:
+    return torch.ones(T, start + T, dtype=torch.bool).tril(start)[None, None]
+
+
+@torch.no_grad()
+def test_explicit_causal_mask_equals_default(smol, sequences):
+    model, tokens = smol[0], sequences[0]
+    split = len(tokens) - 6
+    model.setup_cache(1, len(tokens) + 8)
+    default = torch.cat([run(model, tokens[:split]), run(model, tokens[split:])])
+    model.setup_cache(1, len(tokens) + 8)
+    explicit = torch.cat([run(model, tokens[:split], mask=causal_mask(split, 0)),
+                          run(model, tokens[split:], mask=causal_mask(len(tokens) - split, split))])
+    assert (default - explicit).abs().max() <= TOL_SAME
+
+
+def block_causal_mask(lengths: list[int], start: int) -> torch.Tensor:
+    """Segments packed side by side after a shared cached prefix of `start` tokens: each segment sees the
+    prefix and itself causally, never another segment."""
+    T = sum(lengths)
+    mask = torch.zeros(T, start + T, dtype=torch.bool)
+    mask[:, :start] = True
+    pos = 0
+    for n in lengths:
+        mask[pos:pos + n, start + pos:start + pos + n] = torch.ones(n, n, dtype=torch.bool).tril()
+        pos += n
+    return mask[None, None]
+
+
+@torch.no_grad()
+def test_packed_sequences_do_not_see_each_other(smol, sequences):
+    model = smol[0]
+    a, b = sequences[1], sequences[2]
+    model.setup_cache(1, len(a) + len(b) + 8)
+    positions = torch.cat([torch.arange(len(a)), torch.arange(len(b))])
+    packed = run(model, a + b, mask=block_causal_mask([len(a), len(b)], 0), positions=positions)
+    for seg, logits in ((a, packed[:len(a)]), (b, packed[len(a):])):
+        model.setup_cache(1, len(seg) + 8)
+        assert (logits - run(model, seg)).abs().max() <= TOL_HF
+
+
+@torch.no_grad()
+def test_packed_continuations_of_a_cached_prefix(smol, sequences):
+    """Tree-verification style: several candidate continuations of the same cached context in one pass."""
+    model, prefix = smol[0], sequences[0]
+    g = torch.Generator().manual_seed(1)
+    conts = [torch.randint(model.args.vocab_size, (n,), generator=g).tolist() for n in (4, 1, 6)]
+    start = len(prefix)
+    model.setup_cache(1, start + sum(map(len, conts)) + 8)
+    run(model, prefix)
+    positions = torch.cat([torch.arange(start, start + len(c)) for c in conts])
+    packed = run(model, sum(conts, []), mask=block_causal_mask([len(c) for c in conts], start), positions=positions)
+    pos = 0
+    for c in conts:
+        model.rollback(start)
+        alone = run(model, c)
+        assert (packed[pos:pos + len(c)] - alone).abs().max() <= TOL_HF
+        pos += len(c)
