@@ -155,6 +155,58 @@ def streamed_text(events: list, chat_mode: bool = True) -> tuple[str, list[int],
     return text, ids, finish
 
 
+class StopGeneration(Exception):
+    pass
+
+
+def test_on_round_reports_every_round():
+    """The engines' on_round(chunk, accepted) hook that streaming relies on: chunks concatenate to the
+    output, accepted counts match the acceptance lengths, for every method (tiny random models)."""
+    import torch
+
+    from d3d.async_engine import generate_async
+    from d3d.drafter import D3DProposer, drafter_from_target
+    from d3d.engine import generate
+    from d3d.ngram import NgramProposer
+    from d3d.target import ModelArgs, Transformer
+
+    class Tok:
+        eos_token_id = -1
+
+        def get_vocab(self):
+            return {f"t{i}": i for i in range(64)}
+
+        def decode(self, ids):
+            return " ".join(f"t{i}" for i in ids)
+
+    torch.manual_seed(0)
+    args = ModelArgs(vocab_size=64, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, intermediate_size=64,
+                     norm_eps=1e-5, rope_theta=10000.0, max_seq_len=128)
+    target = Transformer(args).eval().requires_grad_(False)
+    drafter = drafter_from_target(target, Tok(), "tiny", [0, 1], 4).eval().requires_grad_(False)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    runs = {"ar": lambda **kw: generate(target, Tok(), prompt, **kw),
+            "ngram": lambda **kw: generate(target, Tok(), prompt, proposer=NgramProposer(), block_size=4, **kw),
+            "d3d": lambda **kw: generate(target, Tok(), prompt, proposer=D3DProposer(drafter, 64, 128), block_size=4,
+                                         **kw),
+            "d3d-async": lambda **kw: generate_async(target, Tok(), prompt, drafter=drafter, **kw)}
+    for method, run in runs.items():
+        rounds = []
+        res = run(max_new_tokens=20, on_round=lambda chunk, accepted: rounds.append((list(chunk), accepted)))
+        assert [t for chunk, _ in rounds for t in chunk] == res.token_ids, method
+        assert rounds[0] == ([res.token_ids[0]], 0), method  # the prefill's token
+        assert [a + 1 for _, a in rounds[1:]] == res.acceptance_lengths, method
+
+        def stop_early(chunk, accepted):
+            if len(rounds) == 2:
+                raise StopGeneration
+            rounds.append(chunk)
+
+        rounds = []
+        with pytest.raises(StopGeneration):
+            run(max_new_tokens=20, on_round=stop_early)
+
+
 def test_health_and_models(env):
     server, _, _ = env
     status, body = server.request("GET", "/health")
@@ -222,6 +274,14 @@ def test_text_completions_plain_and_streamed(env):
     text, ids, finish = streamed_text(server.stream("/v1/completions", body), chat_mode=False)
     assert text == ref.text and ids == ref.token_ids
     assert finish == out["choices"][0]["finish_reason"] == "stop"
+
+
+def test_sampling_with_seed_is_reproducible(env):
+    server, _, _ = env
+    body = chat(PROMPT_A, max_tokens=8, temperature=0.9, top_p=0.95, seed=7)
+    answers = [server.post("/v1/chat/completions", body) for _ in range(2)]
+    assert [a[0] for a in answers] == [200, 200]
+    assert answers[0][1]["choices"][0]["message"] == answers[1][1]["choices"][0]["message"]
 
 
 def test_four_concurrent_clients(env):
@@ -315,13 +375,20 @@ def test_queue_full_503_and_disconnect_frees_slot(env):
     def waiter(i: int) -> None:
         results[i] = server.post("/v1/chat/completions", chat(PROMPT_A, max_tokens=4))
 
-    threads = [threading.Thread(target=waiter, args=(i,)) for i in range(MAX_QUEUE)]
+    def wait_queue(n: int) -> None:
+        deadline = time.monotonic() + 30
+        while server.metrics()["d3d_queue_waiting"] != n:
+            assert time.monotonic() < deadline, server.metrics()
+            time.sleep(0.05)
+
+    threads = [threading.Thread(target=waiter, args=(i,)) for i in range(MAX_QUEUE - 1)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 30
-    while server.metrics()["d3d_queue_waiting"] < MAX_QUEUE:
-        assert time.monotonic() < deadline, server.metrics()
-        time.sleep(0.05)
+    wait_queue(MAX_QUEUE - 1)
+    quitter = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)  # waits, then hangs up
+    quitter.request("POST", "/v1/chat/completions", body=json.dumps(chat(PROMPT_A)).encode(),
+                    headers={"Content-Type": "application/json"})
+    wait_queue(MAX_QUEUE)
     m = server.metrics()
     assert m["d3d_generation_running"] == 1 and m["d3d_queue_waiting"] == MAX_QUEUE
 
@@ -330,16 +397,22 @@ def test_queue_full_503_and_disconnect_frees_slot(env):
         assert status == 503, out
         assert out["error"]["code"] == "queue_full" and "retry" in out["error"]["message"]
 
-    conn.sock.shutdown(socket.SHUT_RDWR)  # the client goes away mid-stream
+    quitter.sock.shutdown(socket.SHUT_RDWR)  # a queued (non-streaming) client goes away: its slot frees
+    quitter.close()
+    wait_queue(MAX_QUEUE - 1)
+    assert server.metrics()["d3d_generation_running"] == 1  # the slow generation still runs
+
+    conn.sock.shutdown(socket.SHUT_RDWR)  # the streaming client goes away mid-stream
     conn.close()
     for t in threads:
         t.join(120)
     expected = refs["gen"].tokenizer.decode(ref.token_ids[:4], skip_special_tokens=True)
-    assert [r[0] for r in results.values()] == [200] * MAX_QUEUE
-    assert [r[1]["choices"][0]["message"]["content"] for r in results.values()] == [expected] * MAX_QUEUE
+    assert [r[0] for r in results.values()] == [200] * (MAX_QUEUE - 1)
+    assert [r[1]["choices"][0]["message"]["content"] for r in results.values()] == [expected] * (MAX_QUEUE - 1)
     after = server.metrics()
-    assert after["d3d_requests_cancelled_total"] == before.get("d3d_requests_cancelled_total", 0) + 1
-    assert after["d3d_generations_total"] == before["d3d_generations_total"] + MAX_QUEUE  # the slow one did not finish
+    assert after["d3d_requests_cancelled_total"] == before.get("d3d_requests_cancelled_total", 0) + 2
+    # neither the slow generation nor the quitter's completed
+    assert after["d3d_generations_total"] == before["d3d_generations_total"] + MAX_QUEUE - 1
     assert after['d3d_requests_total{endpoint="/v1/chat/completions",status="503"}'] >= 2
     assert after["d3d_queue_waiting"] == 0 and after["d3d_generation_running"] == 0
 
@@ -354,7 +427,8 @@ def test_metrics_count_requests_and_tokens(env):
     after = server.metrics()
     key = 'd3d_requests_total{endpoint="/v1/chat/completions",status="200"}'
     assert after[key] == before.get(key, 0) + 1
-    assert after["d3d_generated_tokens_total"] - before["d3d_generated_tokens_total"] == body["usage"]["completion_tokens"]
+    usage = body["usage"]
+    assert after["d3d_generated_tokens_total"] - before["d3d_generated_tokens_total"] == usage["completion_tokens"]
     assert after["d3d_prompt_tokens_total"] - before["d3d_prompt_tokens_total"] == body["usage"]["prompt_tokens"]
     assert after["d3d_last_tau"] == pytest.approx(body["d3d"]["tau"], abs=1e-3)
     assert after["d3d_tau"] >= 1 and after["d3d_tokens_per_second"] > 0 and after["d3d_last_tokens_per_second"] > 0
@@ -437,7 +511,8 @@ def test_web_page_in_headless_chromium(env, tmp_path):
             return r["result"].get("value")
 
         deadline = time.monotonic() + 60
-        while js("document.readyState") != "complete" or "ngram" not in (js("document.getElementById('model').textContent") or ""):
+        model_line = "document.getElementById('model').textContent"
+        while js("document.readyState") != "complete" or "ngram" not in (js(model_line) or ""):
             assert time.monotonic() < deadline, "page did not load"
             time.sleep(0.2)
         js(f"document.getElementById('max').value = '{MAX}'")

@@ -361,7 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000, help="0 = any free port")
     s.add_argument("--method", default=None, help="decoding method (default: d3d.methods.BEST_METHOD)")
-    s.add_argument("--max-queue", type=int, default=16, help="requests that may wait behind the running one (503 beyond)")
+    s.add_argument("--max-queue", type=int, default=16,
+                   help="requests that may wait behind the running one (beyond: 503)")
     _add_target_args(s)
     s.set_defaults(func=cmd_serve)
     return p

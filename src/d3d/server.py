@@ -129,7 +129,7 @@ def parse_request(body, gen: Generator, chat: bool) -> GenRequest:
             if not prompt.strip():
                 raise bad("empty prompt", "prompt")
             prompt_ids = gen.encode(prompt, raw=True)
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
             vocab = min(len(gen.tokenizer), gen.model.args.vocab_size)
             if not all(0 <= t < vocab for t in prompt):
                 raise bad(f"prompt token ids must be in [0, {vocab})", "prompt")
@@ -230,7 +230,10 @@ class Job:
     state: str = "queued"  # queued -> running -> done | cancelled
 
     def emit(self, *event) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop is closed: the server is shutting down
+            self.cancel_flag.set()
 
 
 class QueueFull(Exception):
@@ -277,13 +280,12 @@ class Worker:
                 if job.state == "cancelled":
                     continue
                 job.state, self.waiting, self.running = "running", self.waiting - 1, 1
-            try:
-                self._run(job)
-            finally:
-                with self.lock:
-                    self.running = 0
+            event = self._run(job)
+            with self.lock:
+                self.running = 0
+            job.emit(*event)  # after the bookkeeping: a client that has its answer sees an idle worker
 
-    def _run(self, job: Job) -> None:
+    def _run(self, job: Job) -> tuple:
         def on_round(chunk: list[int], accepted: int) -> None:
             if job.cancel_flag.is_set():
                 raise Cancelled
@@ -296,18 +298,17 @@ class Worker:
             job.state = "cancelled"
             with self.lock:
                 self.metrics.cancelled += 1
-            job.emit("cancelled")
+            return ("cancelled",)
         except D3DError as e:
             job.state = "done"
-            job.emit("error", bad(str(e)))
+            return "error", bad(str(e))
         except Exception as e:  # never seen; reported as a 500 body, and the worker keeps going
             log.exception("generation failed")
             job.state = "done"
-            job.emit("error", ApiError(500, f"generation failed: {type(e).__name__}: {e}"))
-        else:
-            job.state = "done"
-            self.metrics.generation(len(r.prompt_ids), res)
-            job.emit("done", res)
+            return "error", ApiError(500, f"generation failed: {type(e).__name__}: {e}")
+        job.state = "done"
+        self.metrics.generation(len(r.prompt_ids), res)
+        return "done", res
 
 
 # ---------------------------------------------------------------------------------------------
@@ -536,7 +537,8 @@ def create_app(gen: Generator, max_queue: int = 16) -> FastAPI:
                         rounds, round_tokens = rounds + 1, round_tokens + accepted + 1
                     segments = [{"text": s, "draft": d} for s, d in ((streamer.push(ids[:accepted]), True),
                                                                       (streamer.push(ids[accepted:]), False)) if s]
-                    info = {"accepted": accepted, "tokens": ids, "segments": segments, "new_tokens": ntok, "rounds": rounds,
+                    info = {"accepted": accepted, "tokens": ids, "segments": segments, "new_tokens": ntok,
+                            "rounds": rounds,
                             "tau": round(round_tokens / rounds, 4) if rounds else 1.0,
                             "tokens_per_s": round((ntok - 1) / (t - t_first), 2) if t > t_first else 0.0,
                             "prefill": rounds == 0}
@@ -548,7 +550,8 @@ def create_app(gen: Generator, max_queue: int = 16) -> FastAPI:
                 res = ev[1]  # done
                 tail = streamer.push([], final=True)
                 if tail:
-                    yield _sse(chunk(tail, d3d={"accepted": 0, "tokens": [], "segments": [{"text": tail, "draft": False}]}))
+                    seg = [{"text": tail, "draft": False}]
+                    yield _sse(chunk(tail, d3d={"accepted": 0, "tokens": [], "segments": seg}))
                 finish = FINISH.get(res.finish_reason, res.finish_reason)
                 yield _sse(chunk(None, finish, d3d={"method": gen.method, "tau": round(res.tau, 4),
                                                     "tokens_per_s": round(res.tokens_per_s, 2), "rounds": res.rounds,
