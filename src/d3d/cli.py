@@ -253,7 +253,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     from .api import load
     from .methods import BEST_METHOD
-    from .server import serve
+    from .server import check_address, serve
 
     if not 0 <= args.port <= 65535:
         raise D3DError(f"--port must be in 0..65535 (got {args.port})")
@@ -261,6 +261,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise D3DError(f"--max-queue must be >= 0 (got {args.max_queue})")
     _check_device(args.device)
     _check_drafter(args.drafter)
+    check_address(args.host, args.port)
     gen = load(args.target, args.method or BEST_METHOD, args.drafter, device=args.device, block_size=args.block_size)
     print(f"d3d serve: {gen.name} with method {gen.method} on http://{args.host}:{args.port} "
           f"(web page at /, OpenAI API at /v1)", file=sys.stderr, flush=True)

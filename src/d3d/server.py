@@ -575,6 +575,23 @@ def create_app(gen: Generator, max_queue: int = 16) -> FastAPI:
     return app
 
 
+def check_address(host: str, port: int) -> None:
+    """Fail fast (before the model loads) if host:port cannot be listened on."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise D3DError(f"cannot resolve --host {host}: {e.strerror}") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise D3DError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
 def serve(gen: Generator, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 16,
           log_level: str = "info") -> None:
     import uvicorn
