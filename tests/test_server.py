@@ -105,6 +105,9 @@ def env(tmp_path_factory):
                              "--port", str(port), "--max-queue", str(MAX_QUEUE)], stdout=log, stderr=subprocess.STDOUT)
     cli = subprocess.Popen([sys.executable, "-m", "d3d.cli", "generate", PROMPT_A, "--max-new-tokens", str(MAX),
                             "--json", "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    import torch
+
+    threads = torch.get_num_threads()  # restored afterwards: torch's thread count is process-wide
     try:
         from d3d import load
 
@@ -128,6 +131,7 @@ def env(tmp_path_factory):
         server.log = tmp / "server.log"
         yield server, refs, json.loads(out)
     finally:
+        torch.set_num_threads(threads)
         for p in (cli, proc):
             if p.poll() is None:
                 p.terminate()
@@ -179,11 +183,12 @@ def test_on_round_reports_every_round():
         def decode(self, ids):
             return " ".join(f"t{i}" for i in ids)
 
-    torch.manual_seed(0)
-    args = ModelArgs(vocab_size=64, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, intermediate_size=64,
-                     norm_eps=1e-5, rope_theta=10000.0, max_seq_len=128)
-    target = Transformer(args).eval().requires_grad_(False)
-    drafter = drafter_from_target(target, Tok(), "tiny", [0, 1], 4).eval().requires_grad_(False)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        target = Transformer(ModelArgs(vocab_size=64, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
+                                       intermediate_size=64, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=128))
+        target = target.eval().requires_grad_(False)
+        drafter = drafter_from_target(target, Tok(), "tiny", [0, 1], 4).eval().requires_grad_(False)
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     runs = {"ar": lambda **kw: generate(target, Tok(), prompt, **kw),
             "ngram": lambda **kw: generate(target, Tok(), prompt, proposer=NgramProposer(), block_size=4, **kw),
