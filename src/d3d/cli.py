@@ -244,7 +244,7 @@ def cmd_train(args: argparse.Namespace) -> None:
                       max_prompt_tokens=args.max_prompt_tokens)
     run_dir = Path(args.run_dir or Path(args.out).with_name(Path(args.out).name + ".run"))
     summary = train_drafter(args.target, Path(args.data), Path(args.out), run_dir, layers, args.draft_vocab,
-                            args.block_size, cfg)
+                            args.block_size, cfg, command="d3d " + shlex.join(args.argv))
     print(f"{args.out}: held-out teacher-forced tau {summary['heldout_before']['tau']} -> "
           f"{summary['heldout_after']['tau']}, loss {summary['heldout_before']['loss']} -> "
           f"{summary['heldout_after']['loss']}")

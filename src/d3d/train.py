@@ -262,7 +262,7 @@ def evaluate(model: Drafter, examples: list[Example], cfg: TrainConfig, batches:
 
 
 def train_drafter(target: str | None, data: Path, out: Path, run_dir: Path, layers: list[int],
-                  draft_vocab: int, block_size: int, cfg: TrainConfig, heldout: int = 64) -> dict:
+                  draft_vocab: int, block_size: int, cfg: TrainConfig, heldout: int = 64, command: str = "") -> dict:
     """`d3d train`: build a drafter from the target's layers, train it on the distillation data, save it."""
     import json
 
@@ -281,7 +281,7 @@ def train_drafter(target: str | None, data: Path, out: Path, run_dir: Path, laye
     history = train(drafter, train_set, cfg, run_dir)
     after = evaluate(drafter, held, cfg)
     manifest = json.loads((Path(data) / "manifest.json").read_text())
-    drafter.cfg.training = {"data": str(data), "examples": len(train_set), "heldout": heldout,
+    drafter.cfg.training = {"command": command, "data": str(data), "examples": len(train_set), "heldout": heldout,
                             "data_response_tokens": manifest.get("response_tokens"), "config": cfg.__dict__,
                             "steps_done": len(history), "heldout_before": before, "heldout_after": after}
     save_drafter(drafter, out)
