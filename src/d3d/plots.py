@@ -25,10 +25,11 @@ def plot_timeline(events: list[dict], path: str | Path, max_rounds: int = 12) ->
         ax.broken_barh([((e["ts"] - t0) / 1000, e["dur"] / 1000)], (lane - 0.35, 0.7),
                        color=colors.get(e["name"], "k"), label=e["name"])
     handles = {h.get_label(): h for h in ax.collections}
-    ax.legend(handles.values(), handles.keys(), loc="upper right", ncol=5, fontsize=8)
+    ax.legend(handles.values(), handles.keys(), loc="lower right", bbox_to_anchor=(1, 1.0), ncol=5, fontsize=8,
+              frameon=False)
     ax.set_yticks([1, 0], ["target", "drafter"])
     ax.set_xlabel("ms since prefill")
-    ax.set_title("d3d-async: verification and packed drafting per round")
+    ax.set_title("d3d-async: verification and packed drafting per round", loc="left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
