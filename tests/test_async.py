@@ -7,14 +7,14 @@ from collections import Counter
 
 import pytest
 import torch
-from scipy import stats
 
 from d3d.async_engine import generate_async, write_chrome_trace
 from d3d.drafter import Drafter, drafter_from_target
 from d3d.engine import generate
 from d3d.packed import acceptance_law, keep_prefix, likely_candidates, packed_draft, packed_layout, prefill
 from d3d.target import ModelArgs, Transformer
-from d3d.verify import SamplingParams, probs_from_logits
+from d3d.verify import SamplingParams
+from sampling_law import chi2_pvalue, exact_law
 
 torch.set_num_threads(1)  # thousands of tiny forwards: threading only adds overhead
 
@@ -236,40 +236,6 @@ N_SAMPLES = 2000
 TEMP = SamplingParams(temperature=0.8)
 
 
-@torch.no_grad()
-def exact_prefix_law(model, params: SamplingParams, steps: int) -> dict[tuple[int, ...], float]:
-    """Probability of every possible first `steps` tokens of plain sampling (fewer if EOS comes first)."""
-    dist, frontier = {}, {(): 1.0}
-    for step in range(steps):
-        seqs = list(frontier)
-        if not seqs:
-            break
-        model.setup_cache(len(seqs), len(PROMPT) + step)
-        logits = model(torch.tensor([PROMPT + list(s) for s in seqs]), last_only=True)[:, -1]
-        nxt = {}
-        for s, probs in zip(seqs, probs_from_logits(logits, params).double().tolist()):
-            for t, p in enumerate(probs):
-                if p > 0:
-                    (dist if t == EOS or step == steps - 1 else nxt)[s + (t,)] = frontier[s] * p
-        frontier = nxt
-    return dist
-
-
-def chi2_pvalue(samples: list[tuple[int, ...]], dist: dict[tuple[int, ...], float]) -> float:
-    """Goodness of fit, outcomes expected fewer than 5 times pooled into one cell."""
-    n, counts = len(samples), Counter(samples)
-    kept = [s for s in sorted(dist, key=dist.get, reverse=True) if dist[s] * n >= 5]
-    observed, expected = [counts[s] for s in kept], [dist[s] * n for s in kept]
-    rest_obs, rest_exp = n - sum(observed), n - sum(expected)
-    if rest_exp >= 5:
-        observed.append(rest_obs)
-        expected.append(rest_exp)
-    else:
-        observed[-1] += rest_obs
-        expected[-1] += rest_exp
-    return float(stats.chisquare(observed, expected).pvalue)
-
-
 def test_sampling_has_the_law_of_plain_sampling():
     target, d = tiny_pair(V, 3)
     tok = StubTokenizer(V, EOS)
@@ -284,6 +250,6 @@ def test_sampling_has_the_law_of_plain_sampling():
         accepted.update(res.acceptance_lengths)
         hits += res.stats["packed_hits"]
     assert accepted[1] > 100 and accepted[3] > 100 and hits > 1000
-    dist = exact_prefix_law(target, TEMP, FIRST)
+    dist = exact_law(target, PROMPT, TEMP, FIRST, EOS)
     assert abs(sum(dist.values()) - 1) < 1e-6 and set(samples) <= set(dist)
     assert chi2_pvalue(samples, dist) > 1e-3

@@ -3,7 +3,6 @@ import json
 import random
 import subprocess
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -11,7 +10,7 @@ import torch
 
 from d3d import train as train_mod
 from d3d.data import Example, load_dataset
-from d3d.drafter import (D3DProposer, Drafter, DrafterConfig, drafter_from_target, load_drafter, save_drafter,
+from d3d.drafter import (D3DProposer, Drafter, drafter_from_target, load_drafter, save_drafter,
                          tokenizer_fingerprint)
 from d3d.engine import generate
 from d3d.methods import DEFAULT_DRAFTERS

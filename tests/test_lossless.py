@@ -12,13 +12,13 @@ from collections import Counter
 
 import pytest
 import torch
-from scipy import stats
 
 import d3d.engine
 from d3d.engine import generate
 from d3d.methods import make_runner
 from d3d.target import ModelArgs, Transformer
 from d3d.verify import SamplingParams, probs_from_logits, sample, verify
+from sampling_law import chi2_pvalue, exact_law
 
 GREEDY = SamplingParams()
 MAX_NEW = 64
@@ -216,26 +216,6 @@ def proposers(tiny):
     return {"sampled_q": SampledProposer, "one_hot": lambda seed: drafter}
 
 
-@torch.no_grad()
-def exact_distribution(model, params: SamplingParams) -> dict[tuple[int, ...], float]:
-    """Probability of every possible output of plain sampling (MAX_NEW_TINY tokens, or fewer ending in EOS)."""
-    dist, frontier = {}, {(): 1.0}
-    for step in range(MAX_NEW_TINY):
-        if not frontier:
-            break
-        seqs = list(frontier)
-        model.setup_cache(len(seqs), len(PROMPT) + step)
-        logits = model(torch.tensor([PROMPT + list(s) for s in seqs]), last_only=True)[:, -1]
-        nxt = {}
-        for s, probs in zip(seqs, probs_from_logits(logits, params).double().tolist()):
-            for t, p in enumerate(probs):
-                if p > 0:
-                    target = dist if t == EOS or step == MAX_NEW_TINY - 1 else nxt
-                    target[s + (t,)] = frontier[s] * p
-        frontier = nxt
-    return dist
-
-
 def draw(model, params: SamplingParams, proposer=None) -> tuple[list[tuple[int, ...]], Counter]:
     """N_SAMPLES independent outputs (seed i for sample i) and the histogram of acceptance lengths."""
     outputs, rounds = [], Counter()
@@ -246,23 +226,6 @@ def draw(model, params: SamplingParams, proposer=None) -> tuple[list[tuple[int, 
         outputs.append(tuple(res.token_ids))
         rounds.update(res.acceptance_lengths)
     return outputs, rounds
-
-
-def chi2_pvalue(samples: list[tuple[int, ...]], dist: dict[tuple[int, ...], float]) -> float:
-    """Goodness of fit of `samples` to `dist`: outcomes expected fewer than 5 times are pooled into one
-    cell (with any impossible outcome), merged into the smallest kept cell if still under 5."""
-    n, counts = len(samples), Counter(samples)
-    kept = [s for s in sorted(dist, key=dist.get, reverse=True) if dist[s] * n >= 5]
-    observed = [counts[s] for s in kept]
-    expected = [dist[s] * n for s in kept]
-    rest_obs, rest_exp = n - sum(observed), n - sum(expected)
-    if rest_exp >= 5:
-        observed.append(rest_obs)
-        expected.append(rest_exp)
-    else:
-        observed[-1] += rest_obs
-        expected[-1] += rest_exp
-    return float(stats.chisquare(observed, expected).pvalue)
 
 
 def accept_every_draft(draft, target_logits, params, generator, draft_probs=None):
@@ -278,20 +241,20 @@ def resample_from_p_on_rejection(draft, target_logits, params, generator, draft_
 
 def test_exact_distribution_is_a_distribution(tiny):
     for params in (TEMP, TRUNCATED):
-        dist = exact_distribution(tiny, params)
+        dist = exact_law(tiny, PROMPT, params, MAX_NEW_TINY, EOS)
         assert abs(sum(dist.values()) - 1) < 1e-5
         assert max(dist.values()) < 0.3 and any(s[-1] == EOS and len(s) < MAX_NEW_TINY for s in dist)
 
 
 def test_plain_sampling_matches_exact_distribution(tiny):
     samples, _ = draw(tiny, TEMP)
-    assert chi2_pvalue(samples, exact_distribution(tiny, TEMP)) > 1e-3
+    assert chi2_pvalue(samples, exact_law(tiny, PROMPT, TEMP, MAX_NEW_TINY, EOS)) > 1e-3
 
 
 @pytest.mark.parametrize("params", [TEMP, TRUNCATED], ids=["temperature", "top_k+top_p"])
 @pytest.mark.parametrize("kind", ["sampled_q", "one_hot"])
 def test_speculative_sampling_is_lossless(tiny, proposers, params, kind):
-    dist = exact_distribution(tiny, params)
+    dist = exact_law(tiny, PROMPT, params, MAX_NEW_TINY, EOS)
     samples, rounds = draw(tiny, params, proposers[kind])
     assert set(samples) <= set(dist)  # never a token that top-k / top-p removed
     assert rounds[1] > 100 and rounds[3] > 50  # both rejections and fully accepted blocks + bonus occur
@@ -303,4 +266,4 @@ def test_speculative_sampling_is_lossless(tiny, proposers, params, kind):
 def test_the_statistic_catches_a_broken_rule(tiny, proposers, monkeypatch, broken, kind):
     monkeypatch.setattr(d3d.engine, "verify", broken)
     samples, _ = draw(tiny, TEMP, proposers[kind])
-    assert chi2_pvalue(samples, exact_distribution(tiny, TEMP)) < 1e-6
+    assert chi2_pvalue(samples, exact_law(tiny, PROMPT, TEMP, MAX_NEW_TINY, EOS)) < 1e-6

@@ -372,7 +372,7 @@ def test_queue_full_503_and_disconnect_frees_slot(env):
     before = server.metrics()
     conn, resp = server.open_stream("/v1/chat/completions", chat(SLOW_PROMPT, max_tokens=400))
     got = server.events(resp)
-    while not (e := next(got)).get("d3d"):  # the first generated token: the slow request is running
+    while not next(got).get("d3d"):  # the first generated token: the slow request is running
         pass
     ref = refs[PROMPT_A]
     results: dict[int, tuple] = {}
