@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from .drafter import Drafter, draft_generator, sample_draft
-from .engine import GenerationResult, StopChecker, validate_request
+from .engine import GenerationResult, StopChecker, commit_round, sync_device, validate_request
 from .packed import keep_prefix, likely_candidates, packed_draft, prefill
 from .target import D3DError
 from .verify import SamplingParams, make_generator, next_token, verify
@@ -76,11 +76,6 @@ class _Done:
 
 def _now_us() -> float:
     return time.perf_counter_ns() / 1000
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _place(drafter: Drafter, draft_device) -> torch.device:
@@ -212,7 +207,7 @@ def generate_async(model, tokenizer, prompt_ids: list[int], params: SamplingPara
         fut = w.submit(prefill, drafter, list(prompt_ids))
         logits = model(torch.tensor([prompt_ids], device=device), last_only=True)
         first = next_token(logits[0, -1], params, gen)
-        _synchronize(device)
+        sync_device(device)
         t1 = _now_us()
         _, d0, d1 = fut.result()
         w.span("prefill", VERIFY_TID, t0, t1)
@@ -244,7 +239,7 @@ def generate_async(model, tokenizer, prompt_ids: list[int], params: SamplingPara
             logits = model(torch.tensor([V], device=device))
             n, nxt = verify(drafts, logits[0], params, gen, q)
             model.rollback(base + 1 + n)
-            _synchronize(device)
+            sync_device(device)
             v1 = _now_us()
             out, p0, p1 = fut.result() if fut is not None else (None, v1, v1)
             if fut is not None:
@@ -255,16 +250,12 @@ def generate_async(model, tokenizer, prompt_ids: list[int], params: SamplingPara
                 w.span("draft", DRAFT_TID, p0, p1, candidates=len(cands))
             chunk = drafts[:n] + [nxt]
             res.acceptance_lengths.append(n + 1)
-            tokens += chunk
-            chunk, reason = stopper.clip(res.token_ids, chunk)
-            res.token_ids += chunk
-            if on_round is not None:
-                on_round(chunk, n)
+            reason = commit_round(res, stopper, tokens, chunk, on_round)
             block = w.pick(out[cands.index(n)]) if reason is None and n in cands else None
             for key, value in zip(_STAT_LISTS, ((v1 - v0) / 1e6, (p1 - p0) / 1e6, (w1 - v1) / 1e6, (s1 - s0) / 1e6,
                                                 (_now_us() - w1) / 1e6, len(cands))):
                 stats[key].append(value)
-        _synchronize(draft_dev)
+        sync_device(draft_dev)
         res.decode_s = (_now_us() - start) / 1e6
     res.finish_reason = reason
     res.text = stopper.final_text(res.token_ids)

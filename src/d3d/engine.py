@@ -105,7 +105,19 @@ def validate_request(model, prompt_ids: list[int], max_new_tokens: int, block: i
                        f"context window ({limit} tokens)")
 
 
-def _sync(device) -> None:
+def commit_round(res: GenerationResult, stopper: StopChecker, tokens: list[int], chunk: list[int],
+                 on_round=None) -> str | None:
+    """Append a round's verified chunk: whole to `tokens` (the working text, which the caches follow),
+    clipped at the first stop to the output; report it to `on_round`. Returns the finish reason or None."""
+    tokens += chunk
+    clipped, reason = stopper.clip(res.token_ids, chunk)
+    res.token_ids += clipped
+    if on_round is not None:
+        on_round(clipped, res.acceptance_lengths[-1] - 1)
+    return reason
+
+
+def sync_device(device) -> None:
     if str(device).startswith("cuda"):
         torch.cuda.synchronize(device)
 
@@ -134,7 +146,7 @@ def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams | N
     t0 = time.perf_counter()
     logits = model(torch.tensor([prompt_ids], device=device), last_only=True)
     first = next_token(logits[0, -1], params, gen)
-    _sync(device)
+    sync_device(device)
     t1 = time.perf_counter()
     res.prefill_s = t1 - t0
     tokens = list(prompt_ids) + [first]
@@ -156,12 +168,8 @@ def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams | N
             model.rollback(base + 1 + n)
             chunk = draft[:n] + [nxt]
             res.acceptance_lengths.append(n + 1)
-        tokens += chunk
-        chunk, reason = stopper.clip(res.token_ids, chunk)
-        res.token_ids += chunk
-        if on_round is not None:
-            on_round(chunk, res.acceptance_lengths[-1] - 1)
-    _sync(device)
+        reason = commit_round(res, stopper, tokens, chunk, on_round)
+    sync_device(device)
     res.decode_s = time.perf_counter() - t1
     res.finish_reason = reason
     res.text = stopper.final_text(res.token_ids)
