@@ -188,3 +188,14 @@ def test_packed_continuations_of_a_cached_prefix(smol, sequences):
         alone = run(model, c)
         assert (packed[pos:pos + len(c)] - alone).abs().max() <= TOL_HF
         pos += len(c)
+
+
+def test_sliding_window_caps_the_context():
+    from d3d.target import ModelArgs
+
+    base = dict(model_type="mistral", vocab_size=10, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                intermediate_size=4, max_position_embeddings=32768)
+    assert ModelArgs.from_hf_config(base | {"sliding_window": 4096}).max_seq_len == 4096
+    assert ModelArgs.from_hf_config(base | {"sliding_window": None}).max_seq_len == 8192
+    qwen2 = base | {"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False}
+    assert ModelArgs.from_hf_config(qwen2).max_seq_len == 8192

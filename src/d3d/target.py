@@ -135,8 +135,14 @@ class ModelArgs:
             rope_theta=float(theta), rope_scaling=scaling,
             qkv_bias=cfg["model_type"] == "qwen2" or bool(cfg.get("attention_bias")),
             qk_norm=cfg["model_type"] == "qwen3", tie_embeddings=bool(cfg.get("tie_word_embeddings")),
-            max_seq_len=min(int(cfg.get("max_position_embeddings", 4096)), 8192),
+            max_seq_len=min(int(cfg.get("max_position_embeddings", 4096)), 8192, _sliding_window(cfg)),
         )
+
+
+def _sliding_window(cfg: dict) -> int:
+    """Full attention is exact only within a sliding window (Mistral): cap the context there."""
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    return int(window) if window else 1 << 30
 
 
 def rope_frequencies(args: ModelArgs, device=None) -> torch.Tensor:
