@@ -81,8 +81,7 @@ def _now_us() -> float:
 def _place(drafter: Drafter, draft_device) -> torch.device:
     device = torch.device(draft_device) if draft_device is not None else drafter.draft_ids.device
     if device != drafter.draft_ids.device:
-        drafter.to(device)
-        drafter.cache_size = 0  # the KV cache is not a buffer: force setup_cache to reallocate it there
+        drafter.to(device)  # setup_cache then reallocates the KV cache on that device
     return device
 
 

@@ -218,7 +218,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 def cmd_data(args: argparse.Namespace) -> None:
     from .data import build_dataset
-    from .target import load_target
+    from .target import DEFAULT_TARGET, load_target
 
     model, tok, model_dir = load_target(args.target)
     log_path = Path(args.out) / "progress.log"
@@ -228,7 +228,7 @@ def cmd_data(args: argparse.Namespace) -> None:
         with open(log_path, "a") as f:
             f.write(msg + "\n")
 
-    m = build_dataset(model, tok, Path(args.out), args.target or "SmolLM2-135M-Instruct", args.max_tokens,
+    m = build_dataset(model, tok, Path(args.out), args.target or DEFAULT_TARGET, args.max_tokens,
                       args.max_new_tokens, batch_size=args.batch_size, shard_size=args.shard_size, log=log)
     print(f"{args.out}: {m['examples']} examples, {m['response_tokens']} response tokens")
 

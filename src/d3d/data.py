@@ -121,7 +121,6 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids
         mask = valid[:, None, None, :L + 1]
         logits = model(nxt[:, None], mask=mask, positions=next_pos[:, None], last_only=True)
         next_pos = next_pos + 1
-    model.max_batch = 0  # caches were resized: the next setup_cache must reallocate
     return out
 
 

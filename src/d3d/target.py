@@ -254,10 +254,12 @@ class Transformer(nn.Module):
     def setup_cache(self, max_batch: int = 1, max_len: int | None = None) -> None:
         a = self.args
         max_len = max_len or a.max_seq_len
-        if max_batch <= self.max_batch and max_len <= self.cache_size:
+        p = self.output.weight
+        cache = self.layers[0].attention.k_cache if len(self.layers) else None
+        if cache is not None and cache.device == p.device and max_batch <= self.max_batch \
+                and max_len <= self.cache_size:
             self.cache_len = 0
             return
-        p = self.output.weight
         for layer in self.layers:
             shape = (max_batch, a.n_kv_heads, max_len, a.head_dim)
             layer.attention.k_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
