@@ -244,7 +244,8 @@ def cmd_train(args: argparse.Namespace) -> None:
                       max_prompt_tokens=args.max_prompt_tokens)
     run_dir = Path(args.run_dir or Path(args.out).with_name(Path(args.out).name + ".run"))
     summary = train_drafter(args.target, Path(args.data), Path(args.out), run_dir, layers, args.draft_vocab,
-                            args.block_size, cfg, command="d3d " + shlex.join(args.argv))
+                            args.block_size, cfg, command="d3d " + shlex.join(args.argv),
+                            max_shards=args.max_shards)
     print(f"{args.out}: held-out teacher-forced tau {summary['heldout_before']['tau']} -> "
           f"{summary['heldout_after']['tau']}, loss {summary['heldout_before']['loss']} -> "
           f"{summary['heldout_after']['loss']}")
@@ -355,6 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--gamma", type=float, default=7.0, help="slot k loss weight exp(-k / gamma)")
     t.add_argument("--blocks-per-seq", type=int, default=12)
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--max-shards", type=int, default=None, help="train on the first N data shards only")
     t.add_argument("--threads", type=int, default=None)
     t.set_defaults(func=cmd_train)
 

@@ -65,11 +65,12 @@ class Example:
     hash: str
 
 
-def load_dataset(folder: str | Path) -> list[Example]:
+def load_dataset(folder: str | Path, max_shards: int | None = None) -> list[Example]:
+    """All examples of a dataset folder, or of its first `max_shards` shards (a fixed, smaller budget)."""
     folder = Path(folder)
     manifest = json.loads((folder / "manifest.json").read_text())
     out = []
-    for shard in manifest["shards"]:
+    for shard in manifest["shards"][:max_shards]:
         z = np.load(folder / shard["file"])
         prompts = _unflat(z["prompt_ids"], z["prompt_offsets"])
         responses = _unflat(z["response_ids"], z["response_offsets"])

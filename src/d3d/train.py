@@ -262,7 +262,8 @@ def evaluate(model: Drafter, examples: list[Example], cfg: TrainConfig, batches:
 
 
 def train_drafter(target: str | None, data: Path, out: Path, run_dir: Path, layers: list[int],
-                  draft_vocab: int, block_size: int, cfg: TrainConfig, heldout: int = 64, command: str = "") -> dict:
+                  draft_vocab: int, block_size: int, cfg: TrainConfig, heldout: int = 64, command: str = "",
+                  max_shards: int | None = None) -> dict:
     """`d3d train`: build a drafter from the target's layers, train it on the distillation data, save it."""
     import json
 
@@ -271,7 +272,7 @@ def train_drafter(target: str | None, data: Path, out: Path, run_dir: Path, laye
     from .target import DEFAULT_TARGET, load_target
 
     model, tok, model_dir = load_target(target)
-    examples = load_dataset(data)
+    examples = load_dataset(data, max_shards)
     train_set, held = examples[:-heldout], examples[-heldout:]
     draft_ids = draft_vocabulary(train_set, draft_vocab, model.args.vocab_size, [tok.eos_token_id]) \
         if draft_vocab else None
@@ -280,9 +281,8 @@ def train_drafter(target: str | None, data: Path, out: Path, run_dir: Path, laye
     before = evaluate(drafter, held, cfg)
     history = train(drafter, train_set, cfg, run_dir)
     after = evaluate(drafter, held, cfg)
-    manifest = json.loads((Path(data) / "manifest.json").read_text())
     drafter.cfg.training = {"command": command, "data": str(data), "examples": len(train_set), "heldout": heldout,
-                            "data_response_tokens": manifest.get("response_tokens"), "config": cfg.__dict__,
+                            "data_response_tokens": sum(len(ex.response_ids) for ex in examples), "config": cfg.__dict__,
                             "steps_done": len(history), "heldout_before": before, "heldout_after": after}
     save_drafter(drafter, out)
     atomic_write_json(run_dir / "summary.json", drafter.cfg.training)
