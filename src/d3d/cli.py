@@ -251,6 +251,81 @@ def cmd_train(args: argparse.Namespace) -> None:
           f"{summary['heldout_after']['loss']}")
 
 
+def cmd_prune(args: argparse.Namespace) -> None:
+    from .data import atomic_write_json, load_dataset
+    from .drafter import load_drafter, save_drafter
+    from .methods import default_drafter
+    from .plots import plot_pruning
+    from .prompts import CALIBRATION_SETS
+    from .prune import calibration_data, prune, pruning_report
+    from .train import TrainConfig, train
+
+    sets = [s.strip() for s in args.sets.split(",") if s.strip()]
+    bad = [s for s in sets if s not in CALIBRATION_SETS]
+    if bad or not sets:
+        raise D3DError(f"--sets must name some of {', '.join(CALIBRATION_SETS)} (got {args.sets!r})")
+    if not 0 < args.keep_ratio <= 1:
+        raise D3DError(f"--keep-ratio must be in (0, 1] (got {args.keep_ratio})")
+    if args.heal_steps and not (Path(args.data) / "manifest.json").exists():
+        raise D3DError(f"--heal-steps needs training data; none at {args.data}")
+    _check_drafter(args.drafter)
+    model, tok, model_dir = _load_target(args.target, "cpu")
+    src = args.drafter or default_drafter(model_dir)
+    drafter = load_drafter(src, model, tok)
+    if not 1 <= args.min_layers <= len(drafter.layers):
+        raise D3DError(f"--min-layers must be in 1..{len(drafter.layers)} (got {args.min_layers})")
+    run_dir = Path(args.run_dir or Path(args.out).with_name(Path(args.out).name + ".run"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    calib = calibration_data(model, tok, sets, args.prompts_per_set, args.max_new_tokens, run_dir / "calibration.json")
+    heal = None
+    if args.heal_steps:
+        examples = load_dataset(args.data)
+
+        def heal(d):
+            d.requires_grad_(True)
+            cfg = TrainConfig(steps=args.heal_steps, lr=args.heal_lr, warmup=0, checkpoint_every=10**9)
+            train(d, examples, cfg, run_dir / f"heal-{len(d.layers)}")
+            d.eval().requires_grad_(False)
+
+    pruned, state = prune(drafter, calib, args.max_new_tokens, run_dir, keep_ratio=args.keep_ratio,
+                          min_layers=args.min_layers, heal=heal)
+    report = pruning_report(state, {
+        "command": "d3d " + shlex.join(args.argv), "drafter": str(src), "out": args.out, "calibration_sets": sets,
+        "prompts_per_set": args.prompts_per_set, "max_new_tokens": args.max_new_tokens,
+        "keep_ratio": args.keep_ratio, "min_layers": args.min_layers, "heal_steps": args.heal_steps})
+    if args.heldout:
+        report["heldout"] = _heldout_taus(model, tok, drafter, pruned, args)
+    pruned.cfg.training = dict(pruned.cfg.training, pruning={
+        k: report[k] for k in ("command", "drafter", "layers_before", "layers_after", "tau_before", "tau_after")})
+    save_drafter(pruned, Path(args.out))
+    Path(args.report).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(Path(args.report), report)
+    plot_pruning(report, Path(args.report).with_name("prune.png"))
+    print(f"{args.out}: {report['layers_before']} -> {report['layers_after']} layers, mean calibration tau "
+          f"{report['tau_before']['mean']} -> {report['tau_after']['mean']} ({report['kept']:.1%} kept); "
+          f"{state['stopped']}; wrote {args.report}")
+
+
+def _heldout_taus(model, tok, before, after, args: argparse.Namespace) -> dict:
+    """Estimated tau of the drafter before and after pruning on benchmark prompts (first turns), from the
+    target's greedy continuations: the check that the pruning choice carries over to prompts it never saw."""
+    from .engine import generate
+    from .estimate import mean_tau
+    from .prompts import MultiTurn, benchmark_prompts
+    from .target import encode_prompt
+
+    out = {}
+    for name in [b.strip() for b in args.heldout.split(",") if b.strip()]:
+        items = benchmark_prompts(name, args.heldout_limit)
+        ids = [encode_prompt(tok, it.turns[0] if isinstance(it, MultiTurn) else it) for it in items]
+        conts = [generate(model, tok, p, max_new_tokens=args.max_new_tokens).token_ids for p in ids]
+        out[name] = {"before": round(mean_tau(before, ids, conts, args.max_new_tokens), 4),
+                     "after": round(mean_tau(after, ids, conts, args.max_new_tokens), 4)}
+    if out:
+        out["mean"] = {k: round(sum(v[k] for v in out.values()) / len(out), 4) for k in ("before", "after")}
+    return out
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     from .api import load
     from .methods import BEST_METHOD
@@ -359,6 +434,26 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-shards", type=int, default=None, help="train on the first N data shards only")
     t.add_argument("--threads", type=int, default=None)
     t.set_defaults(func=cmd_train)
+
+    pr = sub.add_parser("prune", help="remove drafter layers one at a time by their effect on tau (resumable)")
+    pr.add_argument("--drafter", default=None, help="drafter to prune (default: the one shipped for the target)")
+    pr.add_argument("--out", required=True, help="folder for the pruned drafter")
+    pr.add_argument("--run-dir", default=None, help="calibration cache and resumable state (default: OUT.run)")
+    pr.add_argument("--report", default="results/prune/report.json", help="report JSON (plot beside it)")
+    pr.add_argument("--sets", default="math,code,chat", help="calibration sets (never benchmark test prompts)")
+    pr.add_argument("--prompts-per-set", type=int, default=6)
+    pr.add_argument("--max-new-tokens", type=int, default=128)
+    pr.add_argument("--keep-ratio", type=float, default=0.99, help="stop before mean tau drops below this share")
+    pr.add_argument("--min-layers", type=int, default=1, help="layer budget: never go below this many layers")
+    pr.add_argument("--heal-steps", type=int, default=0, help="fine-tune steps after each removal (0 = none)")
+    pr.add_argument("--heal-lr", type=float, default=2e-4)
+    pr.add_argument("--data", default="data/distill", help="training data for healing")
+    pr.add_argument("--heldout", default="gsm8k,math500,humaneval,mt-bench",
+                    help="benchmarks on which to check tau before/after ('' = skip)")
+    pr.add_argument("--heldout-limit", type=int, default=4)
+    pr.add_argument("--target", default=None)
+    pr.add_argument("--threads", type=int, default=None)
+    pr.set_defaults(func=cmd_prune)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with streaming, a live web page and /metrics")
     s.add_argument("--host", default="127.0.0.1")

@@ -33,3 +33,32 @@ def plot_timeline(events: list[dict], path: str | Path, max_rounds: int = 12) ->
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_pruning(report: dict, path: str | Path) -> None:
+    """Mean calibration tau and packed-draft time against the number of layers removed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = report["steps"]
+    removed = list(range(len(steps) + 1))
+    tau = [report["tau_before"]["mean"]] + [s["tau"]["mean"] for s in steps]
+    packed = [report["times_before"]["packed_ms"]] + [s["packed_ms"] for s in steps]
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    ax.plot(removed, tau, "o-", color="tab:blue")
+    ax.axhline(report["keep_ratio"] * tau[0], color="tab:blue", ls=":", lw=1,
+               label=f"{report['keep_ratio']:g} x starting tau")
+    ax.set_xlabel("layers removed")
+    ax.set_ylabel("mean calibration tau", color="tab:blue")
+    ax.set_xticks(removed)
+    ax.legend(loc="lower left", fontsize=8, frameon=False)
+    ax2 = ax.twinx()
+    ax2.plot(removed, packed, "s--", color="tab:orange")
+    ax2.set_ylabel("packed-draft ms", color="tab:orange")
+    ax2.set_ylim(bottom=0)
+    ax.set_title(f"Pruning: {report['layers_before']} -> {report['layers_after']} layers", loc="left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -206,3 +206,28 @@ def sharegpt_heldout(seed: int = 0, pool: int = SHAREGPT_HELDOUT_POOL,
     `max_chars` characters, none equal (after normalisation) to any training prompt or to each other.
     Raises if the pool reaches into positions training used."""
     return list(_sharegpt_heldout_cached(seed, pool, max_chars))
+
+
+CALIBRATION_SETS = ("math", "code", "chat")
+_CODE_HINT = re.compile(r"\b(python|javascript|typescript|java|c\+\+|sql|html|css|code|function|script|regex|"
+                        r"class|api|bash|react|golang|rust|program|application|app)\b|c#|```|def |#include", re.IGNORECASE)
+
+
+def calibration_prompts(kind: str, n: int) -> list[str]:
+    """Prompts for measuring a drafter (layer pruning) that are neither benchmark test prompts nor training
+    data: taken from the *end* of training_mix, which `d3d data` consumes from the front (even a 5M-token
+    dataset uses fewer than a third of its 22k prompts). math: GSM8K/MATH train questions, alternating;
+    code: ShareGPT requests that mention code; chat: the other ShareGPT requests."""
+    if kind not in CALIBRATION_SETS:
+        raise D3DError(f"unknown calibration set {kind!r}; choose from {', '.join(CALIBRATION_SETS)}")
+    out = []
+    for src, _, p in reversed(training_mix()):
+        if len(out) == n:
+            break
+        if not 12 <= len(p) <= SHAREGPT_MAX_CHARS:
+            continue
+        if kind == "math" and src in ("gsm8k-train", "math-train"):
+            out.append(p)
+        elif kind != "math" and src == "sharegpt" and bool(_CODE_HINT.search(p)) == (kind == "code"):
+            out.append(p)
+    return out

@@ -1,0 +1,204 @@
+"""Progressive layer pruning of a drafter by its effect on acceptance length (`d3d prune`).
+
+A packed pass of asynchronous D3D costs about B plain drafts, so every drafter layer weighs more than it
+would in DFlash. Following the paper, layers are removed one at a time: at each step every remaining
+layer is bypassed in turn (its residual branch skipped, so the stream passes straight through), the
+acceptance length tau is re-measured on calibration sets with the replay estimator (d3d.estimate: no
+target forward), and the layer whose removal costs least goes. Pruning stops when the best removal
+would fall below `keep_ratio` of the starting mean tau, or when a layer budget is reached.
+
+Calibration continuations are the target's greedy outputs, generated once and cached in the run folder;
+after every step the pruned drafter and a state file are written atomically, so a killed run resumes.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from tqdm import tqdm
+
+from .data import atomic_write_json
+from .drafter import WEIGHTS_NAME, Drafter, save_drafter
+from .estimate import mean_tau
+from .packed import keep_prefix, packed_draft
+
+Calibration = dict[str, tuple[list[list[int]], list[list[int]]]]  # set name -> (prompt ids, continuations)
+
+
+@contextmanager
+def bypassed(drafter: Drafter, drop: set[int] | list[int]):
+    """Run `drafter` with the stack layers `drop` skipped (the residual stream passes through them)."""
+    layers = drafter.layers
+    drafter.layers = nn.ModuleList(layer for i, layer in enumerate(layers) if i not in set(drop))
+    try:
+        yield drafter
+    finally:
+        drafter.layers = layers
+
+
+def remove_layers(drafter: Drafter, drop: set[int] | list[int]) -> Drafter:
+    """A new drafter without the stack layers `drop` (config and init_layers updated)."""
+    keep = [i for i in range(len(drafter.layers)) if i not in set(drop)]
+    init = drafter.cfg.init_layers
+    cfg = replace(drafter.cfg, args=drafter.cfg.args | {"n_layers": len(keep)},
+                  init_layers=[init[i] for i in keep] if len(init) == len(drafter.layers) else [])
+    state = {}
+    for k, v in drafter.state_dict().items():
+        if "cache" in k:
+            continue
+        if k.startswith("layers."):
+            i, rest = k.split(".", 2)[1:]
+            if int(i) not in keep:
+                continue
+            k = f"layers.{keep.index(int(i))}.{rest}"
+        state[k] = v.clone()
+    device = drafter.draft_ids.device
+    with torch.device("meta"):
+        d = Drafter(cfg)
+    d.load_state_dict(state, strict=True, assign=True)
+    d.inv_freq = drafter.inv_freq.clone()
+    return d.to(device).eval().requires_grad_(False)
+
+
+def calibration_data(model, tokenizer, sets: list[str], n: int, max_new_tokens: int,
+                     cache: Path | None = None) -> Calibration:
+    """The target's greedy continuations of `n` calibration prompts per set (d3d.prompts), cached in
+    `cache` (JSON, written after every prompt) so that a second call or a resumed run costs nothing."""
+    import json
+
+    from .engine import generate
+    from .prompts import calibration_prompts
+    from .target import encode_prompt
+
+    done = json.loads(cache.read_text()) if cache is not None and cache.exists() else {}
+    settings = {"n": n, "max_new_tokens": max_new_tokens}
+    if done.get("settings") != settings:
+        done = {"settings": settings, "sets": {}}
+    out: Calibration = {}
+    todo = [(s, i, p) for s in sets for i, p in enumerate(calibration_prompts(s, n))]
+    for s, i, text in tqdm(todo, desc="calibration", mininterval=2):
+        rows = done["sets"].setdefault(s, [])
+        if i >= len(rows):
+            ids = encode_prompt(tokenizer, text)
+            rows.append([ids, generate(model, tokenizer, ids, max_new_tokens=max_new_tokens).token_ids])
+            if cache is not None:
+                atomic_write_json(cache, done)
+    for s in sets:
+        rows = done["sets"][s][:n]
+        out[s] = ([r[0] for r in rows], [r[1] for r in rows])
+    return out
+
+
+def calibration_tau(drafter: Drafter, calib: Calibration, max_new_tokens: int) -> dict[str, float]:
+    """Estimated tau per calibration set, plus their unweighted mean under "mean"."""
+    taus = {s: round(mean_tau(drafter, p, c, max_new_tokens), 4) for s, (p, c) in calib.items()}
+    taus["mean"] = round(statistics.fmean(taus.values()), 4)
+    return taus
+
+
+@torch.no_grad()
+def draft_times(drafter: Drafter, context: list[int], reps: int = 5) -> dict[str, float]:
+    """Median ms of a synchronous draft (2 new context tokens + B masks) and of a full packed pass
+    (B verified tokens, B candidates of B slots, no LM head) after `context`."""
+    B = drafter.block_size
+    drafter.setup_cache(1, len(context) + B * (B + 1) + 8)
+    drafter.cached_tokens = []
+    drafter.draft_block(context[:-2])
+    sync, packed = [], []
+    for _ in range(reps):
+        drafter.sync_context(context[:-2])
+        t0 = time.perf_counter()
+        drafter.draft_block(context)
+        sync.append(time.perf_counter() - t0)
+        drafter.sync_context(context)
+        t0 = time.perf_counter()
+        packed_draft(drafter, context[-B:], apply_head=False)
+        packed.append(time.perf_counter() - t0)
+        keep_prefix(drafter, len(context))
+    return {"draft_ms": round(1000 * statistics.median(sync), 2),
+            "packed_ms": round(1000 * statistics.median(packed), 2)}
+
+
+def prune(drafter: Drafter, calib: Calibration, max_new_tokens: int, run_dir: Path, keep_ratio: float = 0.99,
+          min_layers: int = 1, heal=None, log=print) -> tuple[Drafter, dict]:
+    """Remove layers one at a time (see module docstring). Resumes from run_dir/state.json.
+
+    heal: optional function drafter -> None that fine-tunes a freshly pruned drafter in place.
+    Returns (pruned drafter, report dict)."""
+    import json
+
+    state_path, current = run_dir / "state.json", run_dir / "current"
+    context = next(p + c for p, c in zip(*next(iter(calib.values()))))[:256]
+    if state_path.exists():
+        state = json.loads(state_path.read_text())
+        if state["layers_before"] != len(drafter.layers):
+            raise ValueError(f"{state_path} belongs to a {state['layers_before']}-layer drafter")
+        drafter = _resume(drafter, state["stack"], current if state["steps"] else None)
+        log(f"resumed from {state_path}: {len(state['steps'])} layers removed")
+    else:
+        tau0 = calibration_tau(drafter, calib, max_new_tokens)
+        state = {"layers_before": len(drafter.layers), "tau_before": tau0,
+                 "stack": list(range(len(drafter.layers))), "init_layers": list(drafter.cfg.init_layers),
+                 "times_before": draft_times(drafter, context), "steps": [], "stopped": None}
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(state_path, state)
+    floor = keep_ratio * state["tau_before"]["mean"]
+    while state["stopped"] is None:
+        n = len(drafter.layers)
+        if n <= min_layers:
+            state["stopped"] = f"layer budget reached ({n} layers)"
+            break
+        trials = {}
+        for i in tqdm(range(n), desc=f"prune step {len(state['steps']) + 1} ({n} layers)", mininterval=2):
+            with bypassed(drafter, {i}):
+                trials[i] = calibration_tau(drafter, calib, max_new_tokens)
+        best = max(trials, key=lambda i: trials[i]["mean"])
+        if trials[best]["mean"] < floor:
+            state["stopped"] = (f"removing any further layer keeps < {keep_ratio} of tau "
+                                f"(best {trials[best]['mean']} < {floor:.4f})")
+            break
+        drafter = remove_layers(drafter, {best})
+        tau = trials[best]
+        if heal is not None:
+            heal(drafter)
+            tau = calibration_tau(drafter, calib, max_new_tokens)
+        candidates = {str(state["stack"][k]): v["mean"] for k, v in trials.items()}
+        removed = state["stack"].pop(best)
+        step = {"removed": removed, "init_layer": state["init_layers"][removed] if state["init_layers"] else None,
+                "layers": len(drafter.layers), "tau": tau, "candidates": candidates, **draft_times(drafter, context)}
+        state["steps"].append(step)
+        save_drafter(drafter, current)
+        atomic_write_json(state_path, state)
+        log(f"removed stack layer {removed}: {step['layers']} layers, tau {tau['mean']} "
+            f"({tau['mean'] / state['tau_before']['mean']:.3f} of {state['tau_before']['mean']})")
+    atomic_write_json(state_path, state)
+    return drafter, state
+
+
+def pruning_report(state: dict, settings: dict) -> dict:
+    """results/prune/report.json: the settings, before/after summary, removal order and per-step detail."""
+    after = state["steps"][-1]["tau"] if state["steps"] else state["tau_before"]
+    return {**settings, "layers_before": state["layers_before"],
+            "layers_after": state["layers_before"] - len(state["steps"]), "tau_before": state["tau_before"],
+            "tau_after": after, "kept": round(after["mean"] / state["tau_before"]["mean"], 4),
+            "stopped": state["stopped"], "times_before": state["times_before"],
+            "removal_order": [{"removed": s["removed"], "init_layer": s["init_layer"], "layers": s["layers"],
+                               "tau_mean": s["tau"]["mean"], "packed_ms": s["packed_ms"]} for s in state["steps"]],
+            "steps": state["steps"]}
+
+
+def _resume(drafter: Drafter, stack: list[int], current: Path | None) -> Drafter:
+    """The drafter of a resumed run: the original without the layers no longer in `stack`, with the
+    weights saved after the last step (they differ from the original's only if healing ran)."""
+    from safetensors.torch import load_file
+
+    d = remove_layers(drafter, [i for i in range(len(drafter.layers)) if i not in stack])
+    if current is not None:
+        saved = {k: v.float() if v.is_floating_point() else v for k, v in load_file(current / WEIGHTS_NAME).items()}
+        d.load_state_dict(saved, strict=False)
+    return d

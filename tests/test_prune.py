@@ -1,0 +1,94 @@
+"""Layer pruning: bypass semantics, the report, resume after interruption."""
+import json
+import random
+
+import pytest
+import torch
+from test_drafter import TINY, TinyTokenizer
+
+from d3d.drafter import drafter_from_target
+from d3d.plots import plot_pruning
+from d3d.prune import bypassed, calibration_tau, prune, pruning_report, remove_layers
+from d3d.target import ModelArgs, Transformer
+
+THREE = ModelArgs(**{**TINY.__dict__, "n_layers": 3})
+
+
+def drafter_with(layers: list[int]):
+    torch.manual_seed(0)
+    target = Transformer(THREE)
+    with torch.no_grad():
+        for p in target.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return drafter_from_target(target, TinyTokenizer(), "tiny", layers, 4).eval().requires_grad_(False)
+
+
+def fresh_draft(d, tokens):
+    d.setup_cache(1, 128)
+    d.cached_tokens = []
+    return d.draft_block(tokens)
+
+
+def test_bypassed_layer_equals_a_model_built_without_it():
+    seq = [random.Random(2).randrange(TINY.vocab_size) for _ in range(20)]
+    full, without_middle = drafter_with([0, 1, 2]), drafter_with([0, 2])
+    expected = fresh_draft(without_middle, seq)
+    with bypassed(full, {1}):
+        assert torch.allclose(fresh_draft(full, seq), expected, atol=1e-6)
+    assert len(full.layers) == 3  # restored
+    removed = remove_layers(full, {1})
+    assert removed.cfg.init_layers == [0, 2] and removed.cfg.args["n_layers"] == 2
+    assert torch.allclose(fresh_draft(removed, seq), expected, atol=1e-6)
+    assert not torch.allclose(fresh_draft(full, seq), expected, atol=1e-3)  # the layer did matter
+
+
+def tiny_calibration():
+    rng = random.Random(0)
+    calib = {}
+    for name in ("math", "chat"):
+        prompts = [[rng.randrange(2, TINY.vocab_size) for _ in range(8)] for _ in range(2)]
+        conts = [[(p[-1] + i) % TINY.vocab_size for i in range(1, 25)] for p in prompts]
+        calib[name] = (prompts, conts)
+    return calib
+
+
+def test_prune_report_schema(tmp_path):
+    d = drafter_with([0, 1, 2])
+    pruned, state = prune(d, tiny_calibration(), 24, tmp_path / "run", keep_ratio=0.01, min_layers=1,
+                          log=lambda *_: None)
+    assert len(pruned.layers) == 1 and state["stopped"].startswith("layer budget")
+    report = pruning_report(state, {"keep_ratio": 0.01})
+    for key in ("layers_before", "layers_after", "tau_before", "tau_after", "removal_order", "steps", "kept"):
+        assert key in report
+    assert (report["layers_before"], report["layers_after"]) == (3, 1)
+    assert set(s["removed"] for s in report["removal_order"]) < {0, 1, 2}
+    for s in report["steps"]:
+        assert s["tau"]["mean"] == max(s["candidates"].values()) and s["packed_ms"] > 0 and s["draft_ms"] > 0
+    assert report["tau_after"]["mean"] == pytest.approx(calibration_tau(pruned, tiny_calibration(), 24)["mean"],
+                                                         abs=1e-3)
+    plot_pruning(report, tmp_path / "prune.png")
+    assert (tmp_path / "prune.png").stat().st_size > 1000
+
+
+def test_prune_resumes_after_interruption(tmp_path):
+    calib = tiny_calibration()
+    ref, ref_state = prune(drafter_with([0, 1, 2]), calib, 24, tmp_path / "ref", keep_ratio=0.01,
+                           log=lambda *_: None)
+    calls = []
+
+    def killed_on_second_step(d):
+        calls.append(len(d.layers))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        prune(drafter_with([0, 1, 2]), calib, 24, tmp_path / "run", keep_ratio=0.01, heal=killed_on_second_step,
+              log=lambda *_: None)
+    state = json.loads((tmp_path / "run" / "state.json").read_text())
+    assert len(state["steps"]) == 1 and state["stopped"] is None
+    resumed, resumed_state = prune(drafter_with([0, 1, 2]), calib, 24, tmp_path / "run", keep_ratio=0.01,
+                                   log=lambda *_: None)
+    assert [s["removed"] for s in resumed_state["steps"]] == [s["removed"] for s in ref_state["steps"]]
+    assert resumed.cfg.init_layers == ref.cfg.init_layers
+    seq = list(range(2, 14))
+    assert torch.allclose(fresh_draft(resumed, seq), fresh_draft(ref, seq), atol=1e-2)  # fp16 round trip
