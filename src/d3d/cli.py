@@ -71,6 +71,23 @@ def _check_drafter(drafter: str | None) -> None:
         raise D3DError(f"drafter path does not exist: {drafter}")
 
 
+def _int_list(spec: str, flag: str) -> list[int]:
+    try:
+        out = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise D3DError(f"{flag} takes comma-separated integers (got {spec!r})") from None
+    if not out:
+        raise D3DError(f"{flag} is empty")
+    return out
+
+
+def _drafter_for(method: str, args: argparse.Namespace) -> str | None:
+    """The --drafter / --dflash-drafter / --ar-drafter path that `method` uses (checked to exist)."""
+    path = {"dflash": args.dflash_drafter, "ar-draft": args.ar_drafter}.get(method, args.drafter)
+    _check_drafter(path)
+    return path
+
+
 def _sampling(args: argparse.Namespace):
     from .verify import SamplingParams
 
@@ -98,7 +115,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         raise D3DError("--trace records the rounds of --method d3d-async")
 
     model, tok, model_dir = _load_target(args.target, args.device)
-    runner = make_runner(method, model, tok, model_dir, drafter=args.drafter, block_size=args.block_size,
+    runner = make_runner(method, model, tok, model_dir, drafter=_drafter_for(method, args), block_size=args.block_size,
                          draft_device=args.draft_device)
     extra = {"trace": []} if args.trace else {}
     res = runner(encode_prompt(tok, args.prompt, args.raw), params=params, max_new_tokens=args.max_new_tokens,
@@ -159,7 +176,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         raise D3DError(f"cannot create the folder of --out {out}: {e.strerror or e}") from None
 
     model, tok, model_dir = _load_target(args.target, args.device)
-    runners = {m: make_runner(m, model, tok, model_dir, drafter=args.drafter, block_size=args.block_size)
+    runners = {m: make_runner(m, model, tok, model_dir, drafter=_drafter_for(m, args), block_size=args.block_size)
                for m in methods}
     report = run_bench(model, tok, runners, prompts, params, args.max_new_tokens, raw=args.raw,
                        save_outputs=args.save_outputs, block_size=args.block_size)
@@ -238,17 +255,32 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     if not (Path(args.data) / "manifest.json").exists():
         raise D3DError(f"no dataset at {args.data} (build one with `d3d data --out {args.data}`)")
-    layers = [int(x) for x in args.layers.split(",")]
-    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, ar_weight=args.ar_weight,
-                      gamma=args.gamma, blocks_per_seq=args.blocks_per_seq, seed=args.seed, warmup=args.warmup,
-                      max_prompt_tokens=args.max_prompt_tokens)
+    from .dflash import default_target_layers
+    from .target import read_hf_config, resolve_target
+
+    layers = _int_list(args.layers, "--layers")
+    ar_weight = {"d3d": 0.5, "dflash": 0.0, "ar": 1.0}[args.kind] if args.ar_weight is None else args.ar_weight
+    if args.kind == "ar" and ar_weight <= 0:
+        raise D3DError("--kind ar trains with the next-token loss only: --ar-weight must be > 0")
+    n = read_hf_config(resolve_target(args.target))["num_hidden_layers"]
+    if not all(0 <= i < n for i in layers):
+        raise D3DError(f"--layers must lie in 0..{n - 1} (got {layers})")
+    target_layers = None
+    if args.kind == "dflash":
+        target_layers = _int_list(args.target_layers, "--target-layers") if args.target_layers \
+            else default_target_layers(n, 4)
+        if not all(0 <= i < n for i in target_layers):
+            raise D3DError(f"--target-layers must lie in 0..{n - 1} (got {target_layers})")
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, ar_weight=ar_weight,
+                      gamma=args.gamma, blocks_per_seq=0 if args.kind == "ar" else args.blocks_per_seq, seed=args.seed,
+                      warmup=args.warmup, max_prompt_tokens=args.max_prompt_tokens)
     run_dir = Path(args.run_dir or Path(args.out).with_name(Path(args.out).name + ".run"))
     summary = train_drafter(args.target, Path(args.data), Path(args.out), run_dir, layers, args.draft_vocab,
                             args.block_size, cfg, command="d3d " + shlex.join(args.argv),
-                            max_shards=args.max_shards)
-    print(f"{args.out}: held-out teacher-forced tau {summary['heldout_before']['tau']} -> "
-          f"{summary['heldout_after']['tau']}, loss {summary['heldout_before']['loss']} -> "
-          f"{summary['heldout_after']['loss']}")
+                            max_shards=args.max_shards, kind=args.kind, target_layers=target_layers)
+    before, after = summary["heldout_before"], summary["heldout_after"]
+    tau = f"held-out teacher-forced tau {before['tau']} -> {after['tau']}, " if "tau" in after else ""
+    print(f"{args.out}: {tau}held-out loss {before['loss']} -> {after['loss']}")
 
 
 def cmd_prune(args: argparse.Namespace) -> None:
@@ -349,7 +381,9 @@ def _add_target_args(p: argparse.ArgumentParser, device: bool = True) -> None:
                    help="HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: min(2, available))")
     if device:
-        p.add_argument("--drafter", default=None, help="drafter checkpoint for drafter-based methods")
+        p.add_argument("--drafter", default=None, help="drafter checkpoint for d3d and d3d-async")
+        p.add_argument("--dflash-drafter", default=None, help="drafter checkpoint for dflash")
+        p.add_argument("--ar-drafter", default=None, help="drafter checkpoint for ar-draft")
         p.add_argument("--block-size", type=int, default=16, help="tokens verified per target forward")
         p.add_argument("--device", default="cpu")
 
@@ -427,7 +461,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--warmup", type=int, default=10)
     t.add_argument("--max-prompt-tokens", type=int, default=64, help="prompt tail kept as training context")
-    t.add_argument("--ar-weight", type=float, default=0.5, help="lambda of the auxiliary AR loss")
+    t.add_argument("--kind", choices=("d3d", "dflash", "ar"), default="d3d",
+                   help="d3d: standalone block diffusion; dflash: conditioned on target hidden states "
+                        "(baseline); ar: causal drafter for ar-draft (baseline)")
+    t.add_argument("--target-layers", default=None, help="dflash: target layers to read (default: 4 spread out)")
+    t.add_argument("--ar-weight", type=float, default=None,
+                   help="lambda of the auxiliary AR loss (default: d3d 0.5, dflash 0, ar 1)")
     t.add_argument("--gamma", type=float, default=7.0, help="slot k loss weight exp(-k / gamma)")
     t.add_argument("--blocks-per-seq", type=int, default=12)
     t.add_argument("--seed", type=int, default=0)

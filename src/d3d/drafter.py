@@ -39,6 +39,8 @@ class DrafterConfig:
     draft_vocab_size: int = 0     # 0 = the full target vocabulary
     target: dict = field(default_factory=dict)             # name, vocab_size, tokenizer fingerprint
     training: dict = field(default_factory=dict)           # what produced the weights (data, steps, loss)
+    kind: str = "d3d"             # d3d (block diffusion), dflash (target-conditioned), ar (causal drafter)
+    target_layers: list[int] = field(default_factory=list)  # dflash: target layers whose states it reads
 
     @property
     def model_args(self) -> ModelArgs:
@@ -56,6 +58,8 @@ class Drafter(Transformer):
         self.output = nn.Linear(a.dim, V, bias=False)
         self.register_buffer("draft_ids", torch.arange(V), persistent=True)
         self.cached_tokens: list[int] = []
+
+    extra_prefixes: tuple[str, ...] = ()  # parameters a subclass adds (initialised fresh, not from the target)
 
     @property
     def block_size(self) -> int:
@@ -100,15 +104,30 @@ def target_info(target_name: str, tokenizer, target_args: ModelArgs) -> dict:
             "tokenizer": tokenizer_fingerprint(tokenizer)}
 
 
+KINDS = ("d3d", "dflash", "ar")
+
+
+def drafter_class(kind: str) -> type[Drafter]:
+    if kind not in KINDS:
+        raise D3DError(f"unknown drafter kind {kind!r}; choose from {', '.join(KINDS)}")
+    if kind == "dflash":
+        from .dflash import DFlashDrafter
+        return DFlashDrafter
+    return Drafter
+
+
 def drafter_from_target(target: Transformer, tokenizer, target_name: str, layers: list[int], block_size: int = 16,
-                        draft_ids: torch.Tensor | None = None) -> Drafter:
-    """A drafter whose stack copies the given target layers, with the target's embedding (and head rows)."""
+                        draft_ids: torch.Tensor | None = None, kind: str = "d3d",
+                        target_layers: list[int] | None = None) -> Drafter:
+    """A drafter whose stack copies the given target layers, with the target's embedding (and head rows).
+    kind="dflash" also reads the target's hidden states after `target_layers` (fused by a fresh linear layer)."""
     a = target.args
     args = asdict(a) | {"n_layers": len(layers)}
     cfg = DrafterConfig(args=args, block_size=block_size, init_layers=list(layers),
                         draft_vocab_size=0 if draft_ids is None else len(draft_ids),
-                        target=target_info(target_name, tokenizer, a))
-    d = Drafter(cfg)
+                        target=target_info(target_name, tokenizer, a), kind=kind,
+                        target_layers=list(target_layers or []))
+    d = drafter_class(kind)(cfg)
     sd = {"tok_embeddings.weight": target.tok_embeddings.weight, "norm.weight": target.norm.weight}
     for i, src in enumerate(layers):
         for k, v in target.layers[src].state_dict().items():
@@ -118,6 +137,7 @@ def drafter_from_target(target: Transformer, tokenizer, target_name: str, layers
     sd["output.weight"] = head
     sd["draft_ids"] = torch.arange(a.vocab_size) if draft_ids is None else draft_ids.long()
     sd["mask_embedding"] = target.tok_embeddings.weight.mean(0)
+    sd |= {k: v for k, v in d.state_dict().items() if k.startswith(d.extra_prefixes)}
     d.load_state_dict({k: v.detach().clone().float() for k, v in sd.items()}, strict=True)
     return d
 
@@ -167,7 +187,7 @@ def load_drafter(folder: str | Path, target: Transformer, tokenizer, device: str
                        f"dim {t.get('dim')}), not for this target (vocab {target.args.vocab_size}, "
                        f"dim {target.args.dim}, or a different tokenizer)")
     with torch.device("meta"):
-        d = Drafter(cfg)
+        d = drafter_class(cfg.kind)(cfg)
     state = {k: v.float() if v.is_floating_point() else v for k, v in load_file(folder / WEIGHTS_NAME).items()}
     state["tok_embeddings.weight"] = target.tok_embeddings.weight
     state["output.weight"] = target.output.weight[state["draft_ids"]]

@@ -19,7 +19,10 @@ class Proposer(Protocol):
     """A drafter. `propose` sees every verified token (the last one is the pending one) and returns up to
     `k` draft tokens and, optionally, the distributions [len(draft), V] they were sampled from (None =
     deterministic drafts, i.e. one-hot). Before `reset` the engine sets `params` to the request's
-    sampling settings, so a proposer may draft greedily at temperature 0 and sample otherwise."""
+    sampling settings, so a proposer may draft greedily at temperature 0 and sample otherwise.
+
+    A proposer with a non-empty `hidden_layers` list (DFlash) also gets `observe(taps)`: the target's hidden
+    states after those layers for every newly verified position, taken from the verification pass itself."""
 
     name: str
 
@@ -143,8 +146,12 @@ def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams | N
         proposer.params = params
         proposer.reset(list(prompt_ids))
 
+    taps_of = getattr(proposer, "hidden_layers", None) or None
     t0 = time.perf_counter()
-    logits = model(torch.tensor([prompt_ids], device=device), last_only=True)
+    logits = model(torch.tensor([prompt_ids], device=device), last_only=True, hidden_layers=taps_of)
+    if taps_of:
+        logits, taps = logits
+        proposer.observe(taps)
     first = next_token(logits[0, -1], params, gen)
     sync_device(device)
     t1 = time.perf_counter()
@@ -163,9 +170,13 @@ def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams | N
             k = min(block_size - 1, max_new_tokens - len(res.token_ids) - 1)
             draft, q = proposer.propose(tokens, k) if k > 0 else ([], None)
             base = len(tokens) - 1
-            logits = model(torch.tensor([[tokens[-1]] + draft], device=device))
+            logits = model(torch.tensor([[tokens[-1]] + draft], device=device), hidden_layers=taps_of)
+            if taps_of:
+                logits, taps = logits
             n, nxt = verify(draft, logits[0], params, gen, q)
             model.rollback(base + 1 + n)
+            if taps_of:
+                proposer.observe([t[:, :n + 1] for t in taps])
             chunk = draft[:n] + [nxt]
             res.acceptance_lengths.append(n + 1)
         reason = commit_round(res, stopper, tokens, chunk, on_round)

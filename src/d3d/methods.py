@@ -13,7 +13,9 @@ from .engine import GenerationResult, generate
 from .ngram import NgramProposer
 from .target import D3DError
 
-METHODS = ("ar", "ngram", "d3d", "d3d-async")
+METHODS = ("ar", "ngram", "ar-draft", "dflash", "d3d", "d3d-async", "hf", "hf-lookup")
+# baselines' drafters ship beside the D3D one, under the target's name + this suffix
+BASELINE_SUFFIX = {"ar-draft": "-ar", "dflash": "-dflash"}
 DEFAULT_DRAFTERS = Path(__file__).parent / "assets" / "drafters"
 BEST_METHOD = "ngram"  # what `d3d demo` compares against plain decoding
 
@@ -31,6 +33,22 @@ def make_runner(method: str, model, tokenizer, model_dir: Path, drafter: str | N
         d = load_drafter(drafter or default_drafter(model_dir), model, tokenizer, device=_device_of(model))
         proposer = D3DProposer(d, model.args.vocab_size, max_len=model.args.max_seq_len)
         return partial(generate, model, tokenizer, proposer=proposer, block_size=d.block_size)
+    if method in BASELINE_SUFFIX:
+        from .ardraft import ARDraftProposer
+        from .dflash import DFlashProposer
+
+        path = drafter or default_drafter(model_dir, BASELINE_SUFFIX[method])
+        d = load_drafter(path, model, tokenizer, device=_device_of(model))
+        want = {"ar-draft": "ar", "dflash": "dflash"}[method]
+        if d.cfg.kind != want:
+            raise D3DError(f"method {method} needs a drafter of kind {want!r}; {path} is {d.cfg.kind!r}")
+        cls = ARDraftProposer if method == "ar-draft" else DFlashProposer
+        proposer = cls(d, model.args.vocab_size, max_len=model.args.max_seq_len)
+        return partial(generate, model, tokenizer, proposer=proposer, block_size=block_size)
+    if method in ("hf", "hf-lookup"):
+        from .hf import HFRunner, load_hf_model
+
+        return HFRunner(load_hf_model(model_dir, _device_of(model)), tokenizer, prompt_lookup=method == "hf-lookup")
     if method == "d3d-async":
         d = load_drafter(drafter or default_drafter(model_dir), model, tokenizer,
                          device=draft_device or _device_of(model))
@@ -69,10 +87,10 @@ def _device_of(model) -> str:
     return str(next(model.parameters()).device)
 
 
-def default_drafter(model_dir: Path) -> Path:
+def default_drafter(model_dir: Path, suffix: str = "") -> Path:
     """The drafter shipped for a target (by the target folder's name), or a clear error."""
-    path = DEFAULT_DRAFTERS / Path(model_dir).name
+    path = DEFAULT_DRAFTERS / (Path(model_dir).name + suffix)
     if not (path / "drafter.json").exists():
-        raise D3DError(f"no drafter is shipped for target {Path(model_dir).name}; train one with `d3d train` "
-                       f"and pass --drafter PATH")
+        raise D3DError(f"no drafter is shipped at {path.name} for target {Path(model_dir).name}; train one with "
+                       f"`d3d train` and pass --drafter PATH")
     return path

@@ -23,7 +23,7 @@ import torch.nn as nn
 from tqdm import tqdm
 
 from .data import atomic_write_json
-from .drafter import WEIGHTS_NAME, Drafter, save_drafter
+from .drafter import WEIGHTS_NAME, Drafter, drafter_class, save_drafter
 from .estimate import mean_tau
 from .packed import keep_prefix, packed_draft
 
@@ -59,7 +59,7 @@ def remove_layers(drafter: Drafter, drop: set[int] | list[int]) -> Drafter:
         state[k] = v.clone()
     device = drafter.draft_ids.device
     with torch.device("meta"):
-        d = Drafter(cfg)
+        d = drafter_class(cfg.kind)(cfg)
     d.load_state_dict(state, strict=True, assign=True)
     d.inv_freq = drafter.inv_freq.clone()
     return d.to(device).eval().requires_grad_(False)

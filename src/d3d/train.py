@@ -49,6 +49,7 @@ class Batch:
     slot_target: torch.Tensor
     slot_k: torch.Tensor       # slot number within its block
     slot_block: torch.Tensor   # global block id (for acceptance statistics)
+    ctx_len: torch.Tensor      # 0-d: T minus the block slots (the padded clean length)
 
 
 def block_layout(lengths: list[int], anchors: list[list[int]], B: int, pad_len: int | None = None):
@@ -81,7 +82,9 @@ def block_layout(lengths: list[int], anchors: list[list[int]], B: int, pad_len: 
 
 
 def make_batch(examples: list[Example], cfg: TrainConfig, B: int, vocab_map: torch.Tensor, mask_id: int,
-               rng: random.Random) -> Batch:
+               rng: random.Random, clean_first_slot: bool = False) -> Batch:
+    """A packed batch. With clean_first_slot (DFlash), slot 0 of each block holds the real token at its
+    position (the last verified token) and only slots 1..B-1 carry a loss."""
     seqs, starts, anchors = [], [], []
     for ex in examples:
         prompt = ex.prompt_ids[-cfg.max_prompt_tokens:]
@@ -104,15 +107,19 @@ def make_batch(examples: list[Example], cfg: TrainConfig, B: int, vocab_map: tor
             ar_index.append(n * T + i)
             ar_target.append(seq[i + 1])
         for j, c in enumerate(anchors[n]):
-            for k in range(B):
+            if clean_first_slot:
+                tokens[n, Lmax + j * B] = seq[c + 1]
+            for k in range(1 if clean_first_slot else 0, B):
                 if c + 1 + k < len(seq):
                     slot_index.append(n * T + Lmax + j * B + k)
                     slot_target.append(seq[c + 1 + k])
                     slot_k.append(k)
                     slot_block.append(n * 1000 + j)
-    t = torch.tensor
+    def t(x):
+        return torch.tensor(x, dtype=torch.long)
+
     return Batch(tokens, positions, mask[:, None], t(ar_index), vocab_map[t(ar_target)], t(slot_index),
-                 vocab_map[t(slot_target)], t(slot_k), t(slot_block))
+                 vocab_map[t(slot_target)], t(slot_k), t(slot_block), torch.tensor(Lmax))
 
 
 def acceptance_from_slots(correct: torch.Tensor, slot_k: torch.Tensor, slot_block: torch.Tensor,
@@ -130,19 +137,38 @@ def acceptance_from_slots(correct: torch.Tensor, slot_k: torch.Tensor, slot_bloc
     return sum(taus) / max(1, len(taus))
 
 
-def losses(model: Drafter, batch: Batch, cfg: TrainConfig) -> dict[str, torch.Tensor]:
-    h, _ = model.hidden(batch.tokens, mask=batch.mask, positions=batch.positions)
+def _dflash_hidden(model, batch: Batch, target) -> torch.Tensor:
+    """[N, T, dim]: the fused target context on clean positions, the drafter's block states after them."""
+    L = int(batch.ctx_len)
+    with torch.no_grad():
+        _, taps = target.hidden(batch.tokens[:, :L], hidden_layers=model.cfg.target_layers)
+    ctx = model.context(taps)
+    h = model.blocks(ctx, batch.positions[:, :L], batch.tokens[:, L:], batch.positions[:, L:], batch.mask[:, :, L:])
+    return torch.cat([ctx, h], dim=1)
+
+
+def losses(model: Drafter, batch: Batch, cfg: TrainConfig, target=None) -> dict[str, torch.Tensor]:
+    """Weighted denoising CE on block slots + ar_weight x next-token CE on the clean stream (one forward).
+    DFlash drafters (`target` gives their context) weight slot k by exp(-(k-1)/gamma), slot 0 being given."""
+    if model.cfg.kind == "dflash":
+        h = _dflash_hidden(model, batch, target)
+    else:
+        h, _ = model.hidden(batch.tokens, mask=batch.mask, positions=batch.positions)
     h = h.reshape(-1, h.shape[-1])
-    slot_logits = model.head(h[batch.slot_index])
-    w = torch.exp(-batch.slot_k.float() / cfg.gamma) * (batch.slot_target >= 0)
-    ce = F.cross_entropy(slot_logits, batch.slot_target.clamp(min=0), reduction="none")
-    denoise = (ce * w).sum() / w.sum().clamp(min=1e-6)
-    out = {"denoise": denoise}
+    out = {}
+    if len(batch.slot_index):
+        slot_logits = model.head(h[batch.slot_index])
+        first = 1 if model.cfg.kind == "dflash" else 0
+        w = torch.exp(-(batch.slot_k - first).float() / cfg.gamma) * (batch.slot_target >= 0)
+        ce = F.cross_entropy(slot_logits, batch.slot_target.clamp(min=0), reduction="none")
+        out["denoise"] = (ce * w).sum() / w.sum().clamp(min=1e-6)
+    loss = out.get("denoise", 0.0)
     if cfg.ar_weight > 0:
         out["ar"] = F.cross_entropy(model.head(h[batch.ar_index]), batch.ar_target, ignore_index=-100)
-        out["loss"] = denoise + cfg.ar_weight * out["ar"]
-    else:
-        out["loss"] = denoise
+        loss = loss + cfg.ar_weight * out["ar"]
+    out["loss"] = loss
+    if not len(batch.slot_index):
+        return out
     with torch.no_grad():
         correct = (slot_logits.argmax(-1) == batch.slot_target)
         out["tau"] = torch.tensor(acceptance_from_slots(correct, batch.slot_k, batch.slot_block,
@@ -188,17 +214,20 @@ def _save_state(path: Path, model: Drafter, opt, step: int, history: list) -> No
     os.replace(tmp, path)
 
 
-def train(model: Drafter, examples: list[Example], cfg: TrainConfig, run_dir: Path, log=print) -> list[dict]:
+def train(model: Drafter, examples: list[Example], cfg: TrainConfig, run_dir: Path, log=print,
+          target=None) -> list[dict]:
     """Train in place; resumes from run_dir/state.pt if present. Returns the per-step history.
 
-    Works single-process on CPU, and under `accelerate launch` (each process takes its own batches).
+    Works single-process on CPU, and under `accelerate launch` (each process takes its own batches and
+    gradients are averaged across processes before each step). `target` (frozen) feeds DFlash drafters.
     """
     from accelerate import Accelerator
 
     acc = Accelerator(cpu=not torch.cuda.is_available())
     run_dir.mkdir(parents=True, exist_ok=True)
     state_path = run_dir / "state.pt"
-    params = trainable_parameters(model)
+    core = model.to(acc.device)
+    params = trainable_parameters(core)
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     step, history = 0, []
     if state_path.exists():
@@ -208,8 +237,8 @@ def train(model: Drafter, examples: list[Example], cfg: TrainConfig, run_dir: Pa
         step, history = state["step"], state["history"]
         log(f"resumed from {state_path} at step {step}")
     model.train()
-    model, opt = acc.prepare(model, opt)
-    core = acc.unwrap_model(model)
+    if target is not None:
+        target.to(acc.device)
     vmap = vocab_map_for(core)
     order = list(range(len(examples)))
     random.Random(cfg.seed).shuffle(order)
@@ -220,21 +249,25 @@ def train(model: Drafter, examples: list[Example], cfg: TrainConfig, run_dir: Pa
         start = (step * per_step + acc.process_index * cfg.batch_size) % len(order)
         idx = [order[(start + i) % len(order)] for i in range(cfg.batch_size)]
         batch = make_batch([examples[i] for i in idx], cfg, core.block_size, vmap, core.mask_id,
-                           random.Random(cfg.seed * 1_000_003 + step * 97 + acc.process_index))
+                           random.Random(cfg.seed * 1_000_003 + step * 97 + acc.process_index),
+                           clean_first_slot=core.cfg.kind == "dflash")
         batch = Batch(*[getattr(batch, f.name).to(acc.device) for f in fields(Batch)])
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
-        out = losses(core if acc.num_processes == 1 else model, batch, cfg)
+        out = losses(core, batch, cfg, target)
         opt.zero_grad(set_to_none=True)
-        acc.backward(out["loss"])
-        acc.clip_grad_norm_(params, 1.0)
+        out["loss"].backward()
+        if acc.num_processes > 1:
+            for p in params:
+                p.grad = acc.reduce(p.grad, reduction="mean")
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step += 1
         ntok = batch.tokens.numel()
         rec = {"step": step, **{k: round(float(v.detach()), 4) for k, v in out.items()}, "lr": lr_at(step - 1, cfg),
                "tok_s": round(ntok / (time.time() - t0), 1)}
         history.append(rec)
-        bar.set_postfix(loss=rec["loss"], tau=rec["tau"], tok_s=rec["tok_s"])
+        bar.set_postfix(loss=rec["loss"], tau=rec.get("tau"), tok_s=rec["tok_s"])
         bar.update(1)
         if acc.is_main_process and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
             _save_state(state_path, core, opt, step, history)
@@ -246,7 +279,8 @@ def train(model: Drafter, examples: list[Example], cfg: TrainConfig, run_dir: Pa
 
 
 @torch.no_grad()
-def evaluate(model: Drafter, examples: list[Example], cfg: TrainConfig, batches: int = 4) -> dict[str, float]:
+def evaluate(model: Drafter, examples: list[Example], cfg: TrainConfig, batches: int = 4,
+             target=None) -> dict[str, float]:
     """Held-out losses and teacher-forced acceptance length (fixed anchors, so comparable across runs)."""
     was_training = model.training
     model.eval()
@@ -254,8 +288,8 @@ def evaluate(model: Drafter, examples: list[Example], cfg: TrainConfig, batches:
     n = min(batches, max(1, len(examples) // cfg.batch_size))
     for b in range(n):
         batch = make_batch(examples[b * cfg.batch_size:(b + 1) * cfg.batch_size], cfg, model.block_size, vmap,
-                           model.mask_id, random.Random(1234 + b))
-        for k, v in losses(model, batch, cfg).items():
+                           model.mask_id, random.Random(1234 + b), clean_first_slot=model.cfg.kind == "dflash")
+        for k, v in losses(model, batch, cfg, target).items():
             tot[k] = tot.get(k, 0.0) + float(v) / n
     model.train(was_training)
     return {k: round(v, 4) for k, v in tot.items()}
@@ -263,8 +297,11 @@ def evaluate(model: Drafter, examples: list[Example], cfg: TrainConfig, batches:
 
 def train_drafter(target: str | None, data: Path, out: Path, run_dir: Path, layers: list[int],
                   draft_vocab: int, block_size: int, cfg: TrainConfig, heldout: int = 64, command: str = "",
-                  max_shards: int | None = None) -> dict:
-    """`d3d train`: build a drafter from the target's layers, train it on the distillation data, save it."""
+                  max_shards: int | None = None, kind: str = "d3d", target_layers: list[int] | None = None) -> dict:
+    """`d3d train`: build a drafter from the target's layers, train it on the distillation data, save it.
+
+    kind "ar" trains a causal drafter (next-token loss only); "dflash" one conditioned on the target's
+    hidden states after `target_layers` (the target stays loaded, frozen, to produce them)."""
     import json
 
     from .data import load_dataset
@@ -276,11 +313,13 @@ def train_drafter(target: str | None, data: Path, out: Path, run_dir: Path, laye
     train_set, held = examples[:-heldout], examples[-heldout:]
     draft_ids = draft_vocabulary(train_set, draft_vocab, model.args.vocab_size, [tok.eos_token_id]) \
         if draft_vocab else None
-    drafter = drafter_from_target(model, tok, target or DEFAULT_TARGET, layers, block_size, draft_ids)
+    drafter = drafter_from_target(model, tok, target or DEFAULT_TARGET, layers, block_size, draft_ids, kind=kind,
+                                  target_layers=target_layers)
+    feature_target = model.requires_grad_(False) if kind == "dflash" else None
     del model
-    before = evaluate(drafter, held, cfg)
-    history = train(drafter, train_set, cfg, run_dir)
-    after = evaluate(drafter, held, cfg)
+    before = evaluate(drafter, held, cfg, target=feature_target)
+    history = train(drafter, train_set, cfg, run_dir, target=feature_target)
+    after = evaluate(drafter, held, cfg, target=feature_target)
     drafter.cfg.training = {"command": command, "data": str(data), "examples": len(train_set), "heldout": heldout,
                             "data_response_tokens": sum(len(ex.response_ids) for ex in examples), "config": cfg.__dict__,
                             "steps_done": len(history), "heldout_before": before, "heldout_after": after}

@@ -1,0 +1,62 @@
+"""A small autoregressive drafter (baseline): draft k tokens one by one, then verify them at once.
+
+The drafter is a causal stack of the same shape and budget as the D3D drafter (kind "ar", trained with
+the next-token loss only). Its KV cache follows the verified text: drafted tokens enter the cache while
+drafting, and the next round keeps whatever prefix the target accepted (Drafter.sync_context).
+
+k adapts to recent acceptance like transformers' assisted generation: +2 after a round that accepted
+every draft, -1 otherwise, within [1, max_k].
+"""
+from __future__ import annotations
+
+import torch
+
+from .drafter import Drafter, draft_generator, sample_draft
+from .verify import SamplingParams
+
+
+class ARDraftProposer:
+    name = "ar-draft"
+
+    def __init__(self, drafter: Drafter, vocab_size: int, max_len: int = 4096, k: int = 4, max_k: int = 15,
+                 adaptive: bool = True):
+        self.drafter, self.vocab_size, self.max_len = drafter, vocab_size, max_len
+        self.k0, self.max_k, self.adaptive = k, max_k, adaptive
+        self.params = SamplingParams()
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        self.drafter.setup_cache(1, self.max_len)
+        self.drafter.cached_tokens = []
+        self.k, self.last = self.k0, None
+        self.generator = draft_generator(self.params, self.drafter.draft_ids.device)
+
+    def _adapt(self, tokens: list[int]) -> None:
+        """Update k from how much of the previous draft the target kept."""
+        if self.last is None or not self.adaptive:
+            return
+        start, draft = self.last
+        kept = tokens[start:start + len(draft)]
+        accepted_all = len(kept) == len(draft) and kept == draft and len(tokens) > start + len(draft)
+        self.k = min(self.max_k, self.k + 2) if accepted_all else max(1, self.k - 1)
+
+    @torch.no_grad()
+    def propose(self, tokens: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
+        self._adapt(tokens)
+        k = min(k, self.k)
+        d, device = self.drafter, self.drafter.draft_ids.device
+        new = d.sync_context(tokens)
+        if not new:  # the whole text is cached: recompute the last position to get its logits
+            new = d.sync_context(tokens[:-1]) + tokens[-1:]
+        logits = d(torch.tensor([new], device=device), last_only=True)[0]
+        d.cached_tokens += new
+        draft, qs = [], []
+        for i in range(k):
+            (tok,), q = sample_draft(d, logits[-1:], self.params, self.vocab_size, self.generator)
+            draft.append(tok)
+            if q is not None:
+                qs.append(q)
+            if i + 1 < k:
+                logits = d(torch.tensor([[tok]], device=device))[0]
+                d.cached_tokens.append(tok)
+        self.last = (len(tokens), draft)
+        return draft, torch.cat(qs) if qs else None

@@ -1,0 +1,152 @@
+"""Baselines on equal terms: DFlash-style and small-AR drafters, and transformers' own generate."""
+import pytest
+import torch
+from sampling_law import chi2_pvalue, exact_law
+from test_drafter import TINY, TinyTokenizer, tiny_examples
+from test_lossless import EOS, MAX_NEW_TINY, PROMPT, TEMP, draw, tiny_model
+
+from d3d.ardraft import ARDraftProposer
+from d3d.dflash import DFlashDrafter, DFlashProposer, default_target_layers
+from d3d.drafter import drafter_from_target, load_drafter, save_drafter
+from d3d.engine import generate
+from d3d.hf import HFRunner, load_hf_model
+from d3d.methods import BASELINE_SUFFIX, default_drafter
+from d3d.target import Transformer
+from d3d.train import TrainConfig, evaluate, train
+
+
+class RecordingDFlash(DFlashProposer):
+    """Keeps every hidden-state chunk the engine hands over."""
+
+    def reset(self, prompt_ids):
+        super().reset(prompt_ids)
+        self.seen = []
+
+    def observe(self, taps):
+        self.seen.append([t.clone() for t in taps])
+        super().observe(taps)
+
+
+def test_dflash_hidden_states_equal_a_separate_forward(smol, prompt_ids):
+    model, tok, _ = smol
+    layers = default_target_layers(model.args.n_layers, 4)
+    d = drafter_from_target(model, tok, "smol", [26, 27, 28, 29], 16, kind="dflash", target_layers=layers)
+    proposer = RecordingDFlash(d.eval().requires_grad_(False), model.args.vocab_size)
+    ids = prompt_ids[0]
+    res = generate(model, tok, ids, max_new_tokens=40, proposer=proposer)
+    verified = ids + res.token_ids[:-1]  # every position the target has processed
+    got = [torch.cat([chunk[i] for chunk in proposer.seen], dim=1) for i in range(len(layers))]
+    assert got[0].shape[1] == len(verified) and len(proposer.seen) == res.rounds + 1
+    model.setup_cache(1, len(verified))
+    _, ref = model.hidden(torch.tensor([verified]), hidden_layers=layers)
+    for g, r in zip(got, ref):
+        assert torch.allclose(g, r, atol=2e-3), (g - r).abs().max()
+
+
+@pytest.mark.parametrize("method", sorted(BASELINE_SUFFIX))
+def test_shipped_baseline_greedy_is_identical_to_ar(smol, prompt_ids, method):
+    from d3d.methods import make_runner
+
+    model, tok, model_dir = smol
+    default_drafter(model_dir, BASELINE_SUFFIX[method])  # shipped
+    run = make_runner(method, model, tok, model_dir)
+    for ids in prompt_ids[:3]:
+        ar = generate(model, tok, ids, max_new_tokens=48)
+        res = run(ids, max_new_tokens=48)
+        assert res.token_ids == ar.token_ids and res.text == ar.text
+
+
+def test_ar_draft_with_a_partial_copy_of_the_target(smol, prompt_ids):
+    """A drafter of the target's first 28 of 30 layers agrees often but not always: both accepted and
+    rejected drafts occur, k adapts, and the output is still exactly plain decoding's."""
+    model, tok, _ = smol
+    d = drafter_from_target(model, tok, "smol", list(range(28)), 16, kind="ar").eval().requires_grad_(False)
+    proposer = ARDraftProposer(d, model.args.vocab_size)
+    for ids in prompt_ids[:2]:
+        ar = generate(model, tok, ids, max_new_tokens=40)
+        res = generate(model, tok, ids, max_new_tokens=40, proposer=proposer)
+        assert res.token_ids == ar.token_ids
+        assert max(res.acceptance_lengths) > 2 and min(res.acceptance_lengths) == 1
+
+
+def tiny_dflash(target: Transformer, block_size: int = 4) -> DFlashDrafter:
+    torch.manual_seed(3)
+    return drafter_from_target(target, TinyTokenizer(), "tiny", [0], block_size, kind="dflash",
+                               target_layers=[0, 1]).eval().requires_grad_(False)
+
+
+class Tok8(TinyTokenizer):
+    def get_vocab(self):
+        return {f"t{i}": i for i in range(8)}
+
+
+@pytest.mark.parametrize("kind", ["dflash", "ar-draft"])
+def test_baseline_sampling_has_the_law_of_plain_sampling(kind):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        target = tiny_model()
+        torch.manual_seed(5)
+        if kind == "dflash":
+            d = drafter_from_target(target, Tok8(), "tiny", [0], 4, kind="dflash", target_layers=[0, 1])
+            make = DFlashProposer
+        else:
+            d = drafter_from_target(tiny_model(noise=0.08), Tok8(), "tiny", [0, 1], 4, kind="ar")
+            make = ARDraftProposer
+        d = d.eval().requires_grad_(False)
+        samples, rounds = draw(target, TEMP, lambda seed: make(d, 8, max_len=64))
+        assert rounds[1] > 100 and sum(v for k, v in rounds.items() if k > 1) > 50
+        assert chi2_pvalue(samples, exact_law(target, PROMPT, TEMP, MAX_NEW_TINY, EOS)) > 1e-3
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "ar"])
+def test_baseline_checkpoints_round_trip(tmp_path, kind):
+    torch.manual_seed(0)
+    target = Transformer(TINY)
+    d = drafter_from_target(target, TinyTokenizer(), "tiny", [1], 4, draft_ids=torch.tensor([1, 3, 5, 7, 9]),
+                            kind=kind, target_layers=[0, 1] if kind == "dflash" else None)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    save_drafter(d, tmp_path / "dr", dtype=torch.float32)
+    back = load_drafter(tmp_path / "dr", target, TinyTokenizer())
+    assert type(back) is type(d) and back.cfg == d.cfg
+    for k, v in d.state_dict().items():
+        if k not in ("tok_embeddings.weight", "output.weight"):  # those come from the target
+            assert torch.equal(v, back.state_dict()[k]), k
+
+
+def test_dflash_training_loss_decreases(tmp_path):
+    torch.manual_seed(0)
+    target = Transformer(TINY).requires_grad_(False)
+    d = drafter_from_target(target, TinyTokenizer(), "tiny", [0, 1], 4, kind="dflash", target_layers=[0, 1])
+    cfg = TrainConfig(steps=40, batch_size=8, lr=1e-2, warmup=5, blocks_per_seq=4, ar_weight=0.0,
+                      checkpoint_every=100)
+    ex = tiny_examples()
+    before = evaluate(d, ex, cfg, target=target)
+    train(d, ex, cfg, tmp_path / "run", log=lambda *_: None, target=target)
+    after = evaluate(d, ex, cfg, target=target)
+    assert after["denoise"] < 0.5 * before["denoise"] and after["tau"] > before["tau"]
+
+
+def test_ar_drafter_training_has_only_the_next_token_loss(tmp_path):
+    torch.manual_seed(0)
+    d = drafter_from_target(Transformer(TINY), TinyTokenizer(), "tiny", [0, 1], 4, kind="ar")
+    cfg = TrainConfig(steps=40, batch_size=8, lr=1e-2, warmup=5, blocks_per_seq=0, ar_weight=1.0,
+                      checkpoint_every=100)
+    hist = train(d, tiny_examples(), cfg, tmp_path / "run", log=lambda *_: None)
+    assert "denoise" not in hist[0] and hist[-1]["ar"] < 0.5 * hist[0]["ar"]
+
+
+def test_transformers_reference_equals_our_plain_decoding(smol, prompt_ids):
+    model, tok, model_dir = smol
+    hf = load_hf_model(model_dir)
+    ids = prompt_ids[0]
+    ar = generate(model, tok, ids, max_new_tokens=48)
+    for lookup in (False, True):
+        res = HFRunner(hf, tok, prompt_lookup=lookup)(ids, max_new_tokens=48)
+        assert res.token_ids == ar.token_ids
+        assert sum(res.acceptance_lengths) == res.new_tokens - 1 and res.decode_s > 0
+        assert (res.tau > 1) == lookup
