@@ -72,6 +72,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", default=None, help="also write the table as JSON here")
+    ap.add_argument("--levers", action="store_true",
+                    help="also time the packed pass's cost levers (LM head, candidates, successor slots, vocabulary)")
     args = ap.parse_args()
     dev, ddev = args.device, args.draft_device or args.device
     dtype = torch.bfloat16 if dev.startswith("cuda") else torch.float32
@@ -140,12 +142,50 @@ def main() -> None:
             "both_ms": round(1000 * t_both, 2), "sum_ms": round(1000 * (t_verify + t_draft), 2),
             "overlap": round(overlap, 3),
             "gpu": torch.cuda.get_device_name(dev) if dev.startswith("cuda") else None}
+    if args.levers:
+        rows["levers_ms"] = levers(drafter, target, V, L, B, ddev, args.iters)
     width = max(len(k) for k in rows)
     for k, v in rows.items():
         print(f"{k.ljust(width)}  {v}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows | {"command": "python " + " ".join(sys.argv)}, f, indent=1)
+
+
+def levers(drafter: Drafter, target: Transformer, V: list[int], L: int, B: int, dev: str, iters: int) -> dict:
+    """Median ms of the drafter-side work of one round under each cost lever of the packed pass."""
+
+    def packed(cands=None, slots=B, head=False):
+        @torch.no_grad()
+        def run() -> None:
+            h = packed_draft(drafter, V, cands, slots, head)
+            if not head:
+                drafter.head(h[0])  # the LM head on the one candidate the target picks
+            drafter.rollback(L)
+            del drafter.cached_tokens[L:]
+        return run
+
+    @torch.no_grad()
+    def sync_draft() -> None:
+        drafter.draft_block(drafter.cached_tokens + V[:2])
+        drafter.sync_context(drafter.cached_tokens[:L])
+
+    x = torch.randn(B * B, drafter.args.dim, device=dev, dtype=drafter.output.weight.dtype)
+    full_head = target.output.weight.to(dev)
+    cases = {
+        "sync draft (2 new tokens + 16 masks)": sync_draft,
+        "packed, all 16 candidates, head on all": packed(head=True),
+        "packed, all 16 candidates, head on the chosen one": packed(),
+        "packed, 8 likeliest candidates": packed(cands=list(range(8))),
+        "packed, 4 likeliest candidates": packed(cands=list(range(4))),
+        "packed, 16 candidates x 8 successor slots": packed(slots=8),
+        f"head alone over {B * B} slots, draft vocab {drafter.output.weight.shape[0]}":
+            lambda: drafter.output(x),
+        f"head alone over {B * B} slots, full vocab {full_head.shape[0]}": lambda: x @ full_head.T,
+    }
+    for fn in cases.values():
+        timed(fn, dev, 2)
+    return {name: round(1000 * timed(fn, dev, iters), 2) for name, fn in cases.items()}
 
 
 if __name__ == "__main__":
