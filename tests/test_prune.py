@@ -92,3 +92,20 @@ def test_prune_resumes_after_interruption(tmp_path):
     assert resumed.cfg.init_layers == ref.cfg.init_layers
     seq = list(range(2, 14))
     assert torch.allclose(fresh_draft(resumed, seq), fresh_draft(ref, seq), atol=1e-2)  # fp16 round trip
+
+
+def test_calibration_prompts_are_neither_training_data_nor_benchmark_prompts():
+    from pathlib import Path
+
+    from d3d.data import load_dataset
+    from d3d.prompts import CALIBRATION_SETS, benchmark_prompt_hashes, calibration_prompts, prompt_hash
+
+    trained = {ex.hash for ex in load_dataset(Path(__file__).resolve().parents[1] / "data" / "distill")}
+    banned = benchmark_prompt_hashes()
+    seen = set()
+    for kind in CALIBRATION_SETS:
+        prompts = calibration_prompts(kind, 6)
+        assert len(prompts) == 6
+        hashes = {prompt_hash(p) for p in prompts}
+        assert not hashes & trained and not hashes & banned and not hashes & seen
+        seen |= hashes
