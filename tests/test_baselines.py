@@ -150,3 +150,21 @@ def test_transformers_reference_equals_our_plain_decoding(smol, prompt_ids):
         assert res.token_ids == ar.token_ids
         assert sum(res.acceptance_lengths) == res.new_tokens - 1 and res.decode_s > 0
         assert (res.tau > 1) == lookup
+
+
+def test_precomputed_target_features_give_the_same_dflash_loss():
+    import random
+
+    from d3d.train import losses, make_batch, target_features, vocab_map_for
+
+    torch.manual_seed(0)
+    target = Transformer(TINY).requires_grad_(False)
+    d = drafter_from_target(target, TinyTokenizer(), "tiny", [0], 4, kind="dflash", target_layers=[0, 1])
+    cfg = TrainConfig(blocks_per_seq=3, ar_weight=0.0)
+    ex = tiny_examples(4)
+    ex[1].response_ids[:] = ex[1].response_ids[:20]  # rows of different lengths: padding
+    args = (ex, cfg, 4, vocab_map_for(d), d.mask_id)
+    per_batch = losses(d, make_batch(*args, random.Random(0), clean_first_slot=True), cfg, target)
+    feats = target_features(target, ex, cfg, [0, 1])
+    cached = losses(d, make_batch(*args, random.Random(0), clean_first_slot=True, feats=feats), cfg, None)
+    assert torch.allclose(per_batch["loss"], cached["loss"], atol=1e-2)

@@ -50,6 +50,7 @@ class Batch:
     slot_k: torch.Tensor       # slot number within its block
     slot_block: torch.Tensor   # global block id (for acceptance statistics)
     ctx_len: torch.Tensor      # 0-d: T minus the block slots (the padded clean length)
+    feats: torch.Tensor | None = None  # DFlash: target hidden states [N, ctx_len, taps x dim], if precomputed
 
 
 def block_layout(lengths: list[int], anchors: list[list[int]], B: int, pad_len: int | None = None):
@@ -81,15 +82,22 @@ def block_layout(lengths: list[int], anchors: list[list[int]], B: int, pad_len: 
     return positions, mask, block_of, ctx_end
 
 
+def training_sequence(ex: Example, cfg: TrainConfig) -> tuple[list[int], int]:
+    """(prompt tail + response, index where the response starts)."""
+    prompt = ex.prompt_ids[-cfg.max_prompt_tokens:]
+    return prompt + ex.response_ids, len(prompt)
+
+
 def make_batch(examples: list[Example], cfg: TrainConfig, B: int, vocab_map: torch.Tensor, mask_id: int,
-               rng: random.Random, clean_first_slot: bool = False) -> Batch:
+               rng: random.Random, clean_first_slot: bool = False,
+               feats: list[torch.Tensor] | None = None) -> Batch:
     """A packed batch. With clean_first_slot (DFlash), slot 0 of each block holds the real token at its
-    position (the last verified token) and only slots 1..B-1 carry a loss."""
+    position (the last verified token) and only slots 1..B-1 carry a loss. feats: per-example target
+    hidden states of its training sequence (DFlash), padded into the batch."""
     seqs, starts, anchors = [], [], []
     for ex in examples:
-        prompt = ex.prompt_ids[-cfg.max_prompt_tokens:]
-        seq = prompt + ex.response_ids
-        P, L = len(prompt), len(seq)
+        seq, P = training_sequence(ex, cfg)
+        L = len(seq)
         choices = list(range(P - 1, L - 1))
         anchors.append(sorted(rng.sample(choices, min(cfg.blocks_per_seq, len(choices)))))
         seqs.append(seq)
@@ -118,8 +126,13 @@ def make_batch(examples: list[Example], cfg: TrainConfig, B: int, vocab_map: tor
     def t(x):
         return torch.tensor(x, dtype=torch.long)
 
+    padded = None
+    if feats is not None:
+        padded = torch.zeros(N, Lmax, feats[0].shape[-1])
+        for n, f in enumerate(feats):
+            padded[n, :len(f)] = f.float()
     return Batch(tokens, positions, mask[:, None], t(ar_index), vocab_map[t(ar_target)], t(slot_index),
-                 vocab_map[t(slot_target)], t(slot_k), t(slot_block), torch.tensor(Lmax))
+                 vocab_map[t(slot_target)], t(slot_k), t(slot_block), torch.tensor(Lmax), padded)
 
 
 def acceptance_from_slots(correct: torch.Tensor, slot_k: torch.Tensor, slot_block: torch.Tensor,
@@ -140,8 +153,11 @@ def acceptance_from_slots(correct: torch.Tensor, slot_k: torch.Tensor, slot_bloc
 def _dflash_hidden(model, batch: Batch, target) -> torch.Tensor:
     """[N, T, dim]: the fused target context on clean positions, the drafter's block states after them."""
     L = int(batch.ctx_len)
-    with torch.no_grad():
-        _, taps = target.hidden(batch.tokens[:, :L], hidden_layers=model.cfg.target_layers)
+    if batch.feats is not None:
+        taps = [batch.feats]
+    else:
+        with torch.no_grad():
+            _, taps = target.hidden(batch.tokens[:, :L], hidden_layers=model.cfg.target_layers)
     ctx = model.context(taps)
     h = model.blocks(ctx, batch.positions[:, :L], batch.tokens[:, L:], batch.positions[:, L:], batch.mask[:, :, L:])
     return torch.cat([ctx, h], dim=1)
@@ -215,11 +231,12 @@ def _save_state(path: Path, model: Drafter, opt, step: int, history: list) -> No
 
 
 def train(model: Drafter, examples: list[Example], cfg: TrainConfig, run_dir: Path, log=print,
-          target=None) -> list[dict]:
+          target=None, feats: list[torch.Tensor] | None = None) -> list[dict]:
     """Train in place; resumes from run_dir/state.pt if present. Returns the per-step history.
 
     Works single-process on CPU, and under `accelerate launch` (each process takes its own batches and
-    gradients are averaged across processes before each step). `target` (frozen) feeds DFlash drafters.
+    gradients are averaged across processes before each step). DFlash drafters read the frozen `target`'s
+    hidden states: precomputed per example in `feats` (target_features), else computed per batch.
     """
     from accelerate import Accelerator
 
@@ -250,8 +267,10 @@ def train(model: Drafter, examples: list[Example], cfg: TrainConfig, run_dir: Pa
         idx = [order[(start + i) % len(order)] for i in range(cfg.batch_size)]
         batch = make_batch([examples[i] for i in idx], cfg, core.block_size, vmap, core.mask_id,
                            random.Random(cfg.seed * 1_000_003 + step * 97 + acc.process_index),
-                           clean_first_slot=core.cfg.kind == "dflash")
-        batch = Batch(*[getattr(batch, f.name).to(acc.device) for f in fields(Batch)])
+                           clean_first_slot=core.cfg.kind == "dflash",
+                           feats=None if feats is None else [feats[i] for i in idx])
+        batch = Batch(*[None if getattr(batch, f.name) is None else getattr(batch, f.name).to(acc.device)
+                        for f in fields(Batch)])
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
         out = losses(core, batch, cfg, target)
@@ -276,6 +295,18 @@ def train(model: Drafter, examples: list[Example], cfg: TrainConfig, run_dir: Pa
     bar.close()
     model.eval()
     return history
+
+
+@torch.no_grad()
+def target_features(target, examples: list[Example], cfg: TrainConfig, layers: list[int]) -> list[torch.Tensor]:
+    """Per example, the target's hidden states after `layers` over its training sequence, concatenated
+    [len, layers x dim] in fp16: one target forward per example instead of one per batch it lands in."""
+    out = []
+    for ex in tqdm(examples, desc="target features", mininterval=2):
+        seq, _ = training_sequence(ex, cfg)
+        _, taps = target.hidden(torch.tensor([seq], device=target.output.weight.device), hidden_layers=layers)
+        out.append(torch.cat(taps, dim=-1)[0].half().cpu())
+    return out
 
 
 @torch.no_grad()
@@ -316,9 +347,10 @@ def train_drafter(target: str | None, data: Path, out: Path, run_dir: Path, laye
     drafter = drafter_from_target(model, tok, target or DEFAULT_TARGET, layers, block_size, draft_ids, kind=kind,
                                   target_layers=target_layers)
     feature_target = model.requires_grad_(False) if kind == "dflash" else None
+    feats = target_features(feature_target, train_set, cfg, drafter.cfg.target_layers) if kind == "dflash" else None
     del model
     before = evaluate(drafter, held, cfg, target=feature_target)
-    history = train(drafter, train_set, cfg, run_dir, target=feature_target)
+    history = train(drafter, train_set, cfg, run_dir, target=feature_target, feats=feats)
     after = evaluate(drafter, held, cfg, target=feature_target)
     drafter.cfg.training = {"command": command, "data": str(data), "examples": len(train_set), "heldout": heldout,
                             "data_response_tokens": sum(len(ex.response_ids) for ex in examples), "config": cfg.__dict__,
