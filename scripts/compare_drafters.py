@@ -1,0 +1,81 @@
+"""Acceptance length of several D3D drafters per benchmark, from one set of target continuations.
+
+At temperature 0 the tau of a `d3d` run is a function of the drafter and of the target's greedy output
+(d3d.estimate, tested against real runs), so the target's continuations are generated once (cached in
+--cache) and every drafter is replayed against them: a same-prompts comparison in minutes.
+
+    python scripts/compare_drafters.py --drafters v0=src/d3d/assets/drafters/SmolLM2-135M-Instruct \
+        lambda0=runs/d3d-v0-lambda0/drafter --limit 4 --out results/ablation_lambda.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+from d3d.bench import machine_info
+from d3d.data import atomic_write_json
+from d3d.drafter import load_drafter
+from d3d.engine import generate
+from d3d.estimate import replay_acceptance
+from d3d.prompts import MultiTurn, benchmark_prompts
+from d3d.target import encode_prompt, load_target
+
+
+def continuations(model, tok, benchmarks: list[str], limit: int, max_new_tokens: int, cache: Path) -> dict:
+    """{benchmark: [[prompt ids, greedy continuation], ...]} (first turns), cached and resumable."""
+    done = json.loads(cache.read_text()) if cache.exists() else {}
+    key = f"limit={limit},max_new_tokens={max_new_tokens}"
+    rows = done.setdefault(key, {})
+    for b in benchmarks:
+        items = benchmark_prompts(b, limit)
+        have = rows.setdefault(b, [])
+        for item in items[len(have):]:
+            ids = encode_prompt(tok, item.turns[0] if isinstance(item, MultiTurn) else item)
+            have.append([ids, generate(model, tok, ids, max_new_tokens=max_new_tokens).token_ids])
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(cache, done)
+            print(f"{b}: {len(have)}/{len(items)} continuations", file=sys.stderr)
+    return {b: rows[b][:limit] for b in benchmarks}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--drafters", nargs="+", required=True, help="NAME=PATH ...")
+    ap.add_argument("--benchmarks", default="gsm8k,math500,humaneval,mt-bench")
+    ap.add_argument("--limit", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--cache", default="runs/continuations.json")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tok, _ = load_target(None)
+    conts = continuations(model, tok, args.benchmarks.split(","), args.limit, args.max_new_tokens, Path(args.cache))
+    table = {}
+    for spec in args.drafters:
+        name, path = spec.split("=", 1)
+        d = load_drafter(path, model, tok)
+        cfg = json.loads((Path(path) / "drafter.json").read_text())
+        row = {"path": path, "layers": len(d.layers), "training": cfg.get("training", {}).get("command"),
+               "heldout_teacher_forced": cfg.get("training", {}).get("heldout_after")}
+        lengths_all = []
+        for b, pairs in conts.items():
+            lengths = [a for ids, c in pairs for a in replay_acceptance(d, ids, c, args.max_new_tokens)]
+            row[b] = round(sum(lengths) / len(lengths), 4)
+            lengths_all.append(row[b])
+        row["mean"] = round(sum(lengths_all) / len(lengths_all), 4)
+        table[name] = row
+        print(name, {k: v for k, v in row.items() if k in conts or k == "mean"}, file=sys.stderr)
+    atomic_write_json(Path(args.out), {"command": "python " + shlex.join(sys.argv), "machine": machine_info("cpu"),
+                                       "what": "estimated greedy d3d tau (replay against the target's continuations)",
+                                       "limit": args.limit, "max_new_tokens": args.max_new_tokens,
+                                       "drafters": table})
+
+
+if __name__ == "__main__":
+    main()
