@@ -76,6 +76,8 @@ def calibration_data(model, tokenizer, sets: list[str], n: int, max_new_tokens: 
     from .target import encode_prompt
 
     done = json.loads(cache.read_text()) if cache is not None and cache.exists() else {}
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
     settings = {"n": n, "max_new_tokens": max_new_tokens}
     if done.get("settings") != settings:
         done = {"settings": settings, "sets": {}}
