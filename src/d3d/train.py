@@ -333,8 +333,6 @@ def train_drafter(target: str | None, data: Path, out: Path, run_dir: Path, laye
 
     kind "ar" trains a causal drafter (next-token loss only); "dflash" one conditioned on the target's
     hidden states after `target_layers` (the target stays loaded, frozen, to produce them)."""
-    import json
-
     from .data import load_dataset
     from .drafter import drafter_from_target, save_drafter
     from .target import DEFAULT_TARGET, load_target
@@ -353,8 +351,9 @@ def train_drafter(target: str | None, data: Path, out: Path, run_dir: Path, laye
     history = train(drafter, train_set, cfg, run_dir, target=feature_target, feats=feats)
     after = evaluate(drafter, held, cfg, target=feature_target)
     drafter.cfg.training = {"command": command, "data": str(data), "examples": len(train_set), "heldout": heldout,
-                            "data_response_tokens": sum(len(ex.response_ids) for ex in examples), "config": cfg.__dict__,
-                            "steps_done": len(history), "heldout_before": before, "heldout_after": after}
+                            "data_response_tokens": sum(len(ex.response_ids) for ex in examples),
+                            "config": cfg.__dict__, "steps_done": len(history), "heldout_before": before,
+                            "heldout_after": after}
     save_drafter(drafter, out)
     atomic_write_json(run_dir / "summary.json", drafter.cfg.training)
     return drafter.cfg.training
