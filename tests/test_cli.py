@@ -48,6 +48,14 @@ EARLY_ERRORS = [
     (("bench", "--prompts", "{tmp}/blank.jsonl", "--out", "x.json"), "no prompts"),
     (("bench", "--benchmarks", "nope", "--out", "x.json"), "unknown benchmark"),
     (("demo", "--max-new-tokens", "0"), "max-new-tokens"),
+    (("generate", "hi", "--method", "dflash", "--dflash-drafter", "/nonexistent/d"), "does not exist"),
+    (("prune", "--out", "x", "--sets", "math,poetry"), "--sets"),
+    (("prune", "--out", "x", "--keep-ratio", "1.5"), "--keep-ratio"),
+    (("prune", "--out", "x", "--drafter", "/nonexistent/d"), "does not exist"),
+    (("train", "--out", "x", "--layers", "1,x"), "comma-separated integers"),
+    (("train", "--out", "x", "--layers", "3,99"), "--layers must lie in"),
+    (("train", "--out", "x", "--kind", "dflash", "--target-layers", "40"), "--target-layers must lie in"),
+    (("train", "--out", "x", "--kind", "ar", "--ar-weight", "0"), "--ar-weight must be > 0"),
 ]
 
 
