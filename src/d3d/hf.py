@@ -76,4 +76,6 @@ class HFRunner:
         # round i starts where the cache ends; the last round verified up to the final token
         starts = self.starts[1:] + [len(prompt_ids) + len(ids) - 1]
         res.acceptance_lengths = [b - a for a, b in zip(starts, starts[1:]) if b > a]
+        if on_round is not None:  # transformers gives no per-round hook here: one chunk at the end
+            on_round(ids, max(0, len(ids) - 1 - len(res.acceptance_lengths)))
         return res
