@@ -20,27 +20,8 @@ import torch
 from d3d.bench import machine_info
 from d3d.data import atomic_write_json
 from d3d.drafter import load_drafter
-from d3d.engine import generate
-from d3d.estimate import replay_acceptance
-from d3d.prompts import MultiTurn, benchmark_prompts
-from d3d.target import encode_prompt, load_target
-
-
-def continuations(model, tok, benchmarks: list[str], limit: int, max_new_tokens: int, cache: Path) -> dict:
-    """{benchmark: [[prompt ids, greedy continuation], ...]} (first turns), cached and resumable."""
-    done = json.loads(cache.read_text()) if cache.exists() else {}
-    key = f"limit={limit},max_new_tokens={max_new_tokens}"
-    rows = done.setdefault(key, {})
-    for b in benchmarks:
-        items = benchmark_prompts(b, limit)
-        have = rows.setdefault(b, [])
-        for item in items[len(have):]:
-            ids = encode_prompt(tok, item.turns[0] if isinstance(item, MultiTurn) else item)
-            have.append([ids, generate(model, tok, ids, max_new_tokens=max_new_tokens).token_ids])
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(cache, done)
-            print(f"{b}: {len(have)}/{len(items)} continuations", file=sys.stderr)
-    return {b: rows[b][:limit] for b in benchmarks}
+from d3d.estimate import benchmark_continuations, replay_acceptance
+from d3d.target import load_target
 
 
 def main() -> None:
@@ -55,7 +36,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model, tok, _ = load_target(None)
-    conts = continuations(model, tok, args.benchmarks.split(","), args.limit, args.max_new_tokens, Path(args.cache))
+    conts = benchmark_continuations(model, tok, args.benchmarks.split(","), args.limit, args.max_new_tokens,
+                                    Path(args.cache))
     table = {}
     for spec in args.drafters:
         name, path = spec.split("=", 1)

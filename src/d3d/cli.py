@@ -326,7 +326,7 @@ def cmd_prune(args: argparse.Namespace) -> None:
         "prompts_per_set": args.prompts_per_set, "max_new_tokens": args.max_new_tokens,
         "keep_ratio": args.keep_ratio, "min_layers": args.min_layers, "heal_steps": args.heal_steps})
     if args.heldout:
-        report["heldout"] = _heldout_taus(model, tok, drafter, pruned, args)
+        report["heldout"] = _heldout_taus(model, tok, drafter, pruned, args, run_dir / "heldout.json")
     pruned.cfg.training = dict(pruned.cfg.training, pruning={
         k: report[k] for k in ("command", "drafter", "layers_before", "layers_after", "tau_before", "tau_after")})
     save_drafter(pruned, Path(args.out))
@@ -338,23 +338,21 @@ def cmd_prune(args: argparse.Namespace) -> None:
           f"{state['stopped']}; wrote {args.report}")
 
 
-def _heldout_taus(model, tok, before, after, args: argparse.Namespace) -> dict:
+def _heldout_taus(model, tok, before, after, args: argparse.Namespace, cache: Path) -> dict:
     """Estimated tau of the drafter before and after pruning on benchmark prompts (first turns), from the
     target's greedy continuations: the check that the pruning choice carries over to prompts it never saw."""
-    from .engine import generate
-    from .estimate import mean_tau
-    from .prompts import MultiTurn, benchmark_prompts
-    from .target import encode_prompt
+    from .estimate import benchmark_continuations, mean_tau
 
+    names = [b.strip() for b in args.heldout.split(",") if b.strip()]
+    conts = benchmark_continuations(model, tok, names, args.heldout_limit, args.max_new_tokens, cache)
     out = {}
-    for name in [b.strip() for b in args.heldout.split(",") if b.strip()]:
-        items = benchmark_prompts(name, args.heldout_limit)
-        ids = [encode_prompt(tok, it.turns[0] if isinstance(it, MultiTurn) else it) for it in items]
-        conts = [generate(model, tok, p, max_new_tokens=args.max_new_tokens).token_ids for p in ids]
-        out[name] = {"before": round(mean_tau(before, ids, conts, args.max_new_tokens), 4),
-                     "after": round(mean_tau(after, ids, conts, args.max_new_tokens), 4)}
+    for name, pairs in conts.items():
+        ids, cs = [p for p, _ in pairs], [c for _, c in pairs]
+        out[name] = {"before": round(mean_tau(before, ids, cs, args.max_new_tokens), 4),
+                     "after": round(mean_tau(after, ids, cs, args.max_new_tokens), 4)}
     if out:
         out["mean"] = {k: round(sum(v[k] for v in out.values()) / len(out), 4) for k in ("before", "after")}
+        out["kept"] = round(out["mean"]["after"] / out["mean"]["before"], 4)
     return out
 
 
@@ -487,9 +485,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--heal-steps", type=int, default=0, help="fine-tune steps after each removal (0 = none)")
     pr.add_argument("--heal-lr", type=float, default=2e-4)
     pr.add_argument("--data", default="data/distill", help="training data for healing")
-    pr.add_argument("--heldout", default="gsm8k,math500,humaneval,mt-bench",
+    pr.add_argument("--heldout", default="gsm8k,math500,humaneval,mt-bench,sharegpt",
                     help="benchmarks on which to check tau before/after ('' = skip)")
-    pr.add_argument("--heldout-limit", type=int, default=4)
+    pr.add_argument("--heldout-limit", type=int, default=5)
     pr.add_argument("--target", default=None)
     pr.add_argument("--threads", type=int, default=None)
     pr.set_defaults(func=cmd_prune)

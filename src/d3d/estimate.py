@@ -8,6 +8,9 @@ continuation, advance by that count + 1. The result equals a real `d3d` run's ac
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from .drafter import Drafter
@@ -38,3 +41,25 @@ def mean_tau(drafter: Drafter, prompts: list[list[int]], continuations: list[lis
     """Mean acceptance length over all rounds of all prompts (the `tau` that `d3d bench` reports)."""
     lengths = [a for p, c in zip(prompts, continuations) for a in replay_acceptance(drafter, p, c, max_new_tokens)]
     return sum(lengths) / max(1, len(lengths))
+
+
+def benchmark_continuations(model, tokenizer, benchmarks: list[str], limit: int, max_new_tokens: int,
+                            cache: Path | None = None) -> dict[str, list[tuple[list[int], list[int]]]]:
+    """{benchmark: [(prompt ids, the target's greedy continuation), ...]} for the first `limit` prompts
+    (first turns), cached in `cache` after every prompt (resumable; shared by every caller's settings)."""
+    from .data import atomic_write_json
+    from .engine import generate
+    from .prompts import MultiTurn, benchmark_prompts
+    from .target import encode_prompt
+
+    done = json.loads(cache.read_text()) if cache is not None and cache.exists() else {}
+    rows = done.setdefault(f"limit={limit},max_new_tokens={max_new_tokens}", {})
+    for b in benchmarks:
+        have = rows.setdefault(b, [])
+        for item in benchmark_prompts(b, limit)[len(have):]:
+            ids = encode_prompt(tokenizer, item.turns[0] if isinstance(item, MultiTurn) else item)
+            have.append([ids, generate(model, tokenizer, ids, max_new_tokens=max_new_tokens).token_ids])
+            if cache is not None:
+                cache.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_json(cache, done)
+    return {b: [tuple(r) for r in rows[b][:limit]] for b in benchmarks}
