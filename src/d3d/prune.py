@@ -163,6 +163,7 @@ def prune(drafter: Drafter, calib: Calibration, max_new_tokens: int, run_dir: Pa
         if trials[best]["mean"] < floor:
             state["stopped"] = (f"removing any further layer keeps < {keep_ratio} of tau "
                                 f"(best {trials[best]['mean']} < {floor:.4f})")
+            state["last_candidates"] = {str(state["stack"][k]): v["mean"] for k, v in trials.items()}
             break
         drafter = remove_layers(drafter, {best})
         tau = trials[best]
@@ -188,7 +189,8 @@ def pruning_report(state: dict, settings: dict) -> dict:
     return {**settings, "layers_before": state["layers_before"],
             "layers_after": state["layers_before"] - len(state["steps"]), "tau_before": state["tau_before"],
             "tau_after": after, "kept": round(after["mean"] / state["tau_before"]["mean"], 4),
-            "stopped": state["stopped"], "times_before": state["times_before"],
+            "stopped": state["stopped"], "last_candidates": state.get("last_candidates"),
+            "times_before": state["times_before"],
             "removal_order": [{"removed": s["removed"], "init_layer": s["init_layer"], "layers": s["layers"],
                                "tau_mean": s["tau"]["mean"], "packed_ms": s["packed_ms"]} for s in state["steps"]],
             "steps": state["steps"]}
