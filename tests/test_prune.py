@@ -109,3 +109,17 @@ def test_calibration_prompts_are_neither_training_data_nor_benchmark_prompts():
         hashes = {prompt_hash(p) for p in prompts}
         assert not hashes & trained and not hashes & banned and not hashes & seen
         seen |= hashes
+
+
+def test_bypassing_layers_in_turn_keeps_every_cache_usable():
+    """A bypassed layer misses the cache growth of its trial; the next trial must still find room."""
+    d = drafter_with([0, 1, 2])
+    seq = list(range(2, 30))
+    d.setup_cache(1, 20)
+    with bypassed(d, {0}):
+        d.setup_cache(1, 40)       # grows layers 1 and 2 only
+    with bypassed(d, {1}):
+        d.setup_cache(1, 30)       # layer 0 still holds 20 positions
+        d.cached_tokens = []
+        got = d.draft_block(seq[:24])  # 24 + 4 slots
+        assert torch.allclose(got, fresh_draft(d, seq[:24]), atol=1e-6)

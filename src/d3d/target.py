@@ -255,10 +255,12 @@ class Transformer(nn.Module):
         a = self.args
         max_len = max_len or a.max_seq_len
         p = self.output.weight
-        cache = self.layers[0].attention.k_cache if len(self.layers) else None
-        if cache is not None and cache.device == p.device and max_batch <= self.max_batch \
-                and max_len <= self.cache_size:
+        caches = [layer.attention.k_cache for layer in self.layers]
+        # every layer is checked: a layer that was bypassed (d3d.prune) may hold an older, smaller cache
+        if caches and all(c is not None and c.device == p.device and c.shape[0] >= max_batch
+                          and c.shape[2] >= max_len for c in caches):
             self.cache_len = 0
+            self.max_batch, self.cache_size = min(c.shape[0] for c in caches), min(c.shape[2] for c in caches)
             return
         for layer in self.layers:
             shape = (max_batch, a.n_kv_heads, max_len, a.head_dim)
