@@ -168,3 +168,14 @@ def test_precomputed_target_features_give_the_same_dflash_loss():
     feats = target_features(target, ex, cfg, [0, 1])
     cached = losses(d, make_batch(*args, random.Random(0), clean_first_slot=True, feats=feats), cfg, None)
     assert torch.allclose(per_batch["loss"], cached["loss"], atol=1e-2)
+
+
+def test_a_drafter_of_another_kind_is_a_clear_error(smol):
+    from d3d.errors import D3DError
+    from d3d.methods import make_runner
+
+    model, tok, model_dir = smol
+    with pytest.raises(D3DError, match="kind 'ar'"):
+        make_runner("d3d", model, tok, model_dir, drafter=str(default_drafter(model_dir, "-ar")))
+    with pytest.raises(D3DError, match="kind 'd3d'"):
+        make_runner("dflash", model, tok, model_dir, drafter=str(default_drafter(model_dir)))

@@ -30,7 +30,7 @@ def make_runner(method: str, model, tokenizer, model_dir: Path, drafter: str | N
     if method == "ngram":
         return partial(generate, model, tokenizer, proposer=NgramProposer(), block_size=block_size)
     if method == "d3d":
-        d = load_drafter(drafter or default_drafter(model_dir), model, tokenizer, device=_device_of(model))
+        d = _d3d_kind(load_drafter(drafter or default_drafter(model_dir), model, tokenizer, device=_device_of(model)))
         proposer = D3DProposer(d, model.args.vocab_size, max_len=model.args.max_seq_len)
         return partial(generate, model, tokenizer, proposer=proposer, block_size=d.block_size)
     if method in BASELINE_SUFFIX:
@@ -50,11 +50,18 @@ def make_runner(method: str, model, tokenizer, model_dir: Path, drafter: str | N
 
         return HFRunner(load_hf_model(model_dir, _device_of(model)), tokenizer, prompt_lookup=method == "hf-lookup")
     if method == "d3d-async":
-        d = load_drafter(drafter or default_drafter(model_dir), model, tokenizer,
-                         device=draft_device or _device_of(model))
+        d = _d3d_kind(load_drafter(drafter or default_drafter(model_dir), model, tokenizer,
+                                   device=draft_device or _device_of(model)))
         run = partial(generate_async, model, tokenizer, drafter=d, draft_device=draft_device)
         return _split_cpu_threads(run) if _device_of(d) == "cpu" == _device_of(model) else run
     raise D3DError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+
+
+def _d3d_kind(d):
+    if d.cfg.kind != "d3d":
+        raise D3DError(f"d3d methods need a D3D drafter; this one is of kind {d.cfg.kind!r} "
+                       f"(use --method {'dflash' if d.cfg.kind == 'dflash' else 'ar-draft'})")
+    return d
 
 
 def parse_methods(spec: str) -> list[str]:
