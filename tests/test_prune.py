@@ -123,3 +123,13 @@ def test_bypassing_layers_in_turn_keeps_every_cache_usable():
         d.cached_tokens = []
         got = d.draft_block(seq[:24])  # 24 + 4 slots
         assert torch.allclose(got, fresh_draft(d, seq[:24]), atol=1e-6)
+
+
+def test_a_stopped_run_continues_under_a_looser_rule(tmp_path):
+    calib = tiny_calibration()
+    _, first = prune(drafter_with([0, 1, 2]), calib, 24, tmp_path / "run", keep_ratio=0.01, min_layers=2,
+                     log=lambda *_: None)
+    assert len(first["steps"]) == 1 and first["stopped"].startswith("layer budget")
+    pruned, again = prune(drafter_with([0, 1, 2]), calib, 24, tmp_path / "run", keep_ratio=0.01, min_layers=1,
+                          log=lambda *_: None)
+    assert len(again["steps"]) == 2 and len(pruned.layers) == 1

@@ -130,8 +130,9 @@ def prune(drafter: Drafter, calib: Calibration, max_new_tokens: int, run_dir: Pa
           min_layers: int = 1, heal=None, log=print) -> tuple[Drafter, dict]:
     """Remove layers one at a time (see module docstring). Resumes from run_dir/state.json.
 
-    heal: optional function drafter -> None that fine-tunes a freshly pruned drafter in place.
-    Returns (pruned drafter, report dict)."""
+    heal: optional function drafter -> None that fine-tunes a freshly pruned drafter in place (the stopping
+    rule looks at tau before healing). Rerunning with another keep_ratio / min_layers continues from
+    where the run stands. Returns (pruned drafter, state dict)."""
     import json
 
     state_path, current = run_dir / "state.json", run_dir / "current"
@@ -141,6 +142,8 @@ def prune(drafter: Drafter, calib: Calibration, max_new_tokens: int, run_dir: Pa
         if state["layers_before"] != len(drafter.layers):
             raise ValueError(f"{state_path} belongs to a {state['layers_before']}-layer drafter")
         drafter = _resume(drafter, state["stack"], current if state["steps"] else None)
+        if state.get("rule") != [keep_ratio, min_layers]:
+            state["stopped"] = None  # a new stopping rule: look again from where the run stands
         log(f"resumed from {state_path}: {len(state['steps'])} layers removed")
     else:
         tau0 = calibration_tau(drafter, calib, max_new_tokens)
@@ -149,6 +152,7 @@ def prune(drafter: Drafter, calib: Calibration, max_new_tokens: int, run_dir: Pa
                  "times_before": draft_times(drafter, context), "steps": [], "stopped": None}
         run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_json(state_path, state)
+    state["rule"] = [keep_ratio, min_layers]
     floor = keep_ratio * state["tau_before"]["mean"]
     while state["stopped"] is None:
         n = len(drafter.layers)
