@@ -177,5 +177,5 @@ def test_a_drafter_of_another_kind_is_a_clear_error(smol):
     model, tok, model_dir = smol
     with pytest.raises(D3DError, match="kind 'ar'"):
         make_runner("d3d", model, tok, model_dir, drafter=str(default_drafter(model_dir, "-ar")))
-    with pytest.raises(D3DError, match="kind 'd3d'"):
+    with pytest.raises(D3DError, match="is 'd3d'"):
         make_runner("dflash", model, tok, model_dir, drafter=str(default_drafter(model_dir)))
