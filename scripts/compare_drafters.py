@@ -20,7 +20,7 @@ import torch
 from d3d.bench import machine_info
 from d3d.data import atomic_write_json
 from d3d.drafter import load_drafter
-from d3d.estimate import benchmark_continuations, replay_acceptance
+from d3d.estimate import benchmark_continuations, mean_tau
 from d3d.target import load_target
 
 
@@ -45,12 +45,9 @@ def main() -> None:
         cfg = json.loads((Path(path) / "drafter.json").read_text())
         row = {"path": path, "layers": len(d.layers), "training": cfg.get("training", {}).get("command"),
                "heldout_teacher_forced": cfg.get("training", {}).get("heldout_after")}
-        lengths_all = []
         for b, pairs in conts.items():
-            lengths = [a for ids, c in pairs for a in replay_acceptance(d, ids, c, args.max_new_tokens)]
-            row[b] = round(sum(lengths) / len(lengths), 4)
-            lengths_all.append(row[b])
-        row["mean"] = round(sum(lengths_all) / len(lengths_all), 4)
+            row[b] = round(mean_tau(d, [p for p, _ in pairs], [c for _, c in pairs], args.max_new_tokens), 4)
+        row["mean"] = round(sum(row[b] for b in conts) / len(conts), 4)
         table[name] = row
         print(name, {k: v for k, v in row.items() if k in conts or k == "mean"}, file=sys.stderr)
     atomic_write_json(Path(args.out), {"command": "python " + shlex.join(sys.argv), "machine": machine_info("cpu"),

@@ -19,7 +19,7 @@ from d3d.bench import machine_info
 from d3d.data import atomic_write_json
 from d3d.engine import generate
 from d3d.methods import make_runner
-from d3d.prompts import MultiTurn, benchmark_prompts
+from d3d.prompts import benchmark_prompts, first_turn
 from d3d.target import encode_prompt, load_target
 
 
@@ -39,7 +39,7 @@ def main() -> None:
     for spec in args.drafters:
         name, path = spec.split("=", 1)
         runners[name] = make_runner(args.method, model, tok, model_dir, drafter=path)
-    prompts = [encode_prompt(tok, it.turns[0] if isinstance(it, MultiTurn) else it)
+    prompts = [encode_prompt(tok, first_turn(it))
                for b in args.benchmarks.split(",") for it in benchmark_prompts(b, args.limit)]
     for run in runners.values():  # warm-up
         run(prompts[0], max_new_tokens=8)

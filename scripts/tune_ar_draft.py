@@ -18,7 +18,7 @@ from d3d.data import atomic_write_json
 from d3d.drafter import load_drafter
 from d3d.engine import generate
 from d3d.methods import BASELINE_SUFFIX, default_drafter
-from d3d.prompts import MultiTurn, benchmark_prompts
+from d3d.prompts import benchmark_prompts, first_turn
 from d3d.target import encode_prompt, load_target
 
 
@@ -38,7 +38,7 @@ def main() -> None:
                                                              for k in (1, 2, 4, 8)}}
     runners = {"ar": partial(generate, model, tok)}
     runners |= {n: partial(generate, model, tok, proposer=p) for n, p in variants.items()}
-    prompts = [encode_prompt(tok, it.turns[0] if isinstance(it, MultiTurn) else it)
+    prompts = [encode_prompt(tok, first_turn(it))
                for b in args.benchmarks.split(",") for it in benchmark_prompts(b, args.limit)]
     for run in runners.values():
         run(prompts[0], max_new_tokens=8)

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .drafter import Drafter, DrafterConfig, draft_generator, sample_draft
-from .target import Block, RMSNorm, apply_rope
+from .target import Block, RMSNorm
 from .verify import SamplingParams
 
 
@@ -27,24 +27,11 @@ def default_target_layers(n_target_layers: int, n: int = 5) -> list[int]:
     return sorted({round(lo + i * (hi - lo) / (n - 1)) for i in range(n)})
 
 
-def _project(layer: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """Queries, keys and values of one layer for input x [N, T, dim] (already normalised)."""
-    att, (N, T, _) = layer.attention, x.shape
-    a = att.a
-    q, k, v = att.wqkv(x).split([a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim,
-                                 a.n_kv_heads * a.head_dim], dim=-1)
-    q, k = q.view(N, T, a.n_heads, a.head_dim), k.view(N, T, a.n_kv_heads, a.head_dim)
-    if att.q_norm is not None:
-        q, k = att.q_norm(q), att.k_norm(k)
-    q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
-    return q, k, v.view(N, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
-
-
 def _layer(layer: Block, h: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, cos, sin,
            mask: torch.Tensor | None) -> torch.Tensor:
     """One drafter layer on the block states h, with the context's K/V prepended to the block's own."""
     att = layer.attention
-    q, k, v = _project(layer, layer.attention_norm(h), cos, sin)
+    q, k, v = att.qkv(layer.attention_norm(h), cos, sin)
     k, v = torch.cat([ctx_k, k], 2), torch.cat([ctx_v, v], 2)
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=att.a.n_kv_heads != att.a.n_heads)
     h = h + att.wo(y.transpose(1, 2).reshape(h.shape[0], h.shape[1], -1))
@@ -76,7 +63,7 @@ class DFlashDrafter(Drafter):
             bc, bs = bc[:, None], bs[:, None]
         h = self.embed(tokens)
         for layer in self.layers:
-            _, ck, cv = _project(layer, ctx, cc, cs)
+            _, ck, cv = layer.attention.qkv(ctx, cc, cs)
             h = _layer(layer, h, ck, cv, bc, bs, mask)
         return h
 
@@ -89,7 +76,7 @@ class DFlashDrafter(Drafter):
         n, L = ctx.shape[1], self.cache_len
         cos, sin = self.rope(torch.arange(L, L + n, device=ctx.device))
         for layer in self.layers:
-            _, k, v = _project(layer, ctx, cos, sin)
+            _, k, v = layer.attention.qkv(ctx, cos, sin)
             layer.attention.k_cache[:1, :, L:L + n] = k
             layer.attention.v_cache[:1, :, L:L + n] = v
         self.cache_len = L + n

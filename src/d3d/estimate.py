@@ -43,23 +43,37 @@ def mean_tau(drafter: Drafter, prompts: list[list[int]], continuations: list[lis
     return sum(lengths) / max(1, len(lengths))
 
 
-def benchmark_continuations(model, tokenizer, benchmarks: list[str], limit: int, max_new_tokens: int,
-                            cache: Path | None = None) -> dict[str, list[tuple[list[int], list[int]]]]:
-    """{benchmark: [(prompt ids, the target's greedy continuation), ...]} for the first `limit` prompts
-    (first turns), cached in `cache` after every prompt (resumable; shared by every caller's settings)."""
+def greedy_continuations(model, tokenizer, texts: dict[str, list[str]], max_new_tokens: int,
+                         cache: Path | None = None, desc: str = "continuations") -> dict[str, list[tuple]]:
+    """{set name: [(prompt ids, the target's greedy continuation), ...]} of the given user messages,
+    cached in `cache` (JSON, by max_new_tokens, set and message; written after every prompt), so that a
+    resumed or repeated call only generates what is missing."""
+    from tqdm import tqdm
+
     from .data import atomic_write_json
     from .engine import generate
-    from .prompts import MultiTurn, benchmark_prompts
     from .target import encode_prompt
 
     done = json.loads(cache.read_text()) if cache is not None and cache.exists() else {}
-    rows = done.setdefault(f"limit={limit},max_new_tokens={max_new_tokens}", {})
-    for b in benchmarks:
-        have = rows.setdefault(b, [])
-        for item in benchmark_prompts(b, limit)[len(have):]:
-            ids = encode_prompt(tokenizer, item.turns[0] if isinstance(item, MultiTurn) else item)
-            have.append([ids, generate(model, tokenizer, ids, max_new_tokens=max_new_tokens).token_ids])
+    store = done.setdefault(f"max_new_tokens={max_new_tokens}", {})
+    out = {name: [] for name in texts}
+    todo = [(name, text) for name, ts in texts.items() for text in ts]
+    for name, text in tqdm(todo, desc=desc, mininterval=2):
+        rows = store.setdefault(name, {})
+        if text not in rows:
+            ids = encode_prompt(tokenizer, text)
+            rows[text] = [ids, generate(model, tokenizer, ids, max_new_tokens=max_new_tokens).token_ids]
             if cache is not None:
                 cache.parent.mkdir(parents=True, exist_ok=True)
                 atomic_write_json(cache, done)
-    return {b: [tuple(r) for r in rows[b][:limit]] for b in benchmarks}
+        out[name].append(tuple(rows[text]))
+    return out
+
+
+def benchmark_continuations(model, tokenizer, benchmarks: list[str], limit: int, max_new_tokens: int,
+                            cache: Path | None = None) -> dict[str, list[tuple[list[int], list[int]]]]:
+    """greedy_continuations of the first `limit` prompts (first turns) of each benchmark."""
+    from .prompts import benchmark_prompts, first_turn
+
+    texts = {b: [first_turn(it) for it in benchmark_prompts(b, limit)] for b in benchmarks}
+    return greedy_continuations(model, tokenizer, texts, max_new_tokens, cache, desc="benchmark continuations")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .engine import GenerationResult
+from .engine import GenerationResult, sync_device
 from .verify import SamplingParams
 
 PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value
@@ -66,8 +66,7 @@ class HFRunner:
         self.starts, self.ends = [], []
         t0 = time.perf_counter()
         out = self.model.generate(torch.tensor([prompt_ids], device=device), **kw)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync_device(device)
         t1 = time.perf_counter()
         ids = out[0, len(prompt_ids):].tolist()
         res = GenerationResult(prompt_ids=list(prompt_ids), token_ids=ids, prefill_s=self.ends[0] - t0,

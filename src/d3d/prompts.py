@@ -49,6 +49,11 @@ class MultiTurn:
 BenchItem = str | MultiTurn
 
 
+def first_turn(item: BenchItem) -> str:
+    """The first user message of a benchmark item."""
+    return item.turns[0] if isinstance(item, MultiTurn) else item
+
+
 def data_file(name: str) -> Path:
     module, rel, package = _FILES[name]
     return find_package_file(package, module, rel)
@@ -210,7 +215,8 @@ def sharegpt_heldout(seed: int = 0, pool: int = SHAREGPT_HELDOUT_POOL,
 
 CALIBRATION_SETS = ("math", "code", "chat")
 _CODE_HINT = re.compile(r"\b(python|javascript|typescript|java|c\+\+|sql|html|css|code|function|script|regex|"
-                        r"class|api|bash|react|golang|rust|program|application|app)\b|c#|```|def |#include", re.IGNORECASE)
+                        r"class|api|bash|react|golang|rust|program|application|app)\b|c#|```|def |#include",
+                        re.IGNORECASE)
 
 
 def calibration_prompts(kind: str, n: int) -> list[str]:

@@ -68,32 +68,13 @@ def remove_layers(drafter: Drafter, drop: set[int] | list[int]) -> Drafter:
 def calibration_data(model, tokenizer, sets: list[str], n: int, max_new_tokens: int,
                      cache: Path | None = None) -> Calibration:
     """The target's greedy continuations of `n` calibration prompts per set (d3d.prompts), cached in
-    `cache` (JSON, written after every prompt) so that a second call or a resumed run costs nothing."""
-    import json
-
-    from .engine import generate
+    `cache` so that a second call or a resumed run costs nothing."""
+    from .estimate import greedy_continuations
     from .prompts import calibration_prompts
-    from .target import encode_prompt
 
-    done = json.loads(cache.read_text()) if cache is not None and cache.exists() else {}
-    if cache is not None:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-    settings = {"n": n, "max_new_tokens": max_new_tokens}
-    if done.get("settings") != settings:
-        done = {"settings": settings, "sets": {}}
-    out: Calibration = {}
-    todo = [(s, i, p) for s in sets for i, p in enumerate(calibration_prompts(s, n))]
-    for s, i, text in tqdm(todo, desc="calibration", mininterval=2):
-        rows = done["sets"].setdefault(s, [])
-        if i >= len(rows):
-            ids = encode_prompt(tokenizer, text)
-            rows.append([ids, generate(model, tokenizer, ids, max_new_tokens=max_new_tokens).token_ids])
-            if cache is not None:
-                atomic_write_json(cache, done)
-    for s in sets:
-        rows = done["sets"][s][:n]
-        out[s] = ([r[0] for r in rows], [r[1] for r in rows])
-    return out
+    texts = {s: calibration_prompts(s, n) for s in sets}
+    conts = greedy_continuations(model, tokenizer, texts, max_new_tokens, cache, desc="calibration")
+    return {s: ([p for p, _ in rows], [c for _, c in rows]) for s, rows in conts.items()}
 
 
 def calibration_tau(drafter: Drafter, calib: Calibration, max_new_tokens: int) -> dict[str, float]:

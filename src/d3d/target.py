@@ -189,7 +189,8 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, x, cos, sin, mask, start: int) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Rotary queries, keys and values [B, heads, T, head_dim] of input x [B, T, dim] (already normed)."""
         a, (B, T, _) = self.a, x.shape
         q, k, v = self.wqkv(x).split([a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim,
                                       a.n_kv_heads * a.head_dim], dim=-1)
@@ -199,7 +200,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
-        v = v.view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
+        return q, k, v.view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
+
+    def forward(self, x, cos, sin, mask, start: int) -> torch.Tensor:
+        a, (B, T, _) = self.a, x.shape
+        q, k, v = self.qkv(x, cos, sin)
         if self.k_cache is not None:
             self.k_cache[:B, :, start:start + T] = k
             self.v_cache[:B, :, start:start + T] = v
