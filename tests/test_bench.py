@@ -176,6 +176,52 @@ def test_multi_turn_items(tmp_path):
     assert len(out["per_prompt"]) == 4
 
 
+def test_an_interrupted_bench_resumes_from_its_journal(tmp_path):
+    tok = FakeTokenizer()
+    model = SimpleNamespace(args=SimpleNamespace(max_seq_len=4096))
+    calls, fail_at = [], [None]
+
+    def runner(name):
+        def run(ids, params, max_new_tokens):
+            chat = tok.chats[ids[0]]
+            calls.append((name, chat[-1]["content"]))
+            if len(calls) == fail_at[0]:
+                raise KeyboardInterrupt
+            r = AsyncGenerationResult([0], [1, 2, 3, len(chat)], [2, 2] if name == "d3d-async" else [1, 1, 1, 1],
+                                      decode_s=0.25 if name == "ar" else 0.125)
+            r.stats["packed_hits"] = 1
+            r.text = f"reply to {chat[-1]['content']}"
+            return r
+        return run
+
+    runners = {m: runner(m) for m in ("ar", "d3d-async")}
+    prompts = {"chat": ["hello", MultiTurn(("first", "second"))], "math": ["1+1"]}
+    clean = run_bench(model, tok, runners, prompts, SamplingParams(), 4, progress=False)
+
+    journal, header = tmp_path / "out.json.journal", {"methods": ["ar", "d3d-async"]}
+    calls.clear()
+    fail_at[0] = 2 + 5  # two warm-ups, then the 5th measured generation ("second" with ar) is killed
+    with pytest.raises(KeyboardInterrupt):
+        run_bench(model, tok, runners, prompts, SamplingParams(), 4, progress=False, journal=journal, header=header)
+    with journal.open("a") as f:
+        f.write('{"key": "chat/1/1/ar", "res')  # a line torn by the kill
+    calls.clear()
+    fail_at[0] = None
+    resumed = run_bench(model, tok, runners, prompts, SamplingParams(), 4, progress=False, journal=journal,
+                        header=header)
+    assert resumed["resumed"] == 4
+    assert calls[2:] == [("ar", "second"), ("d3d-async", "second"), ("ar", "1+1"), ("d3d-async", "1+1")]
+    assert resumed["per_prompt"] == clean["per_prompt"] and resumed["results"] == clean["results"]
+    assert all(r["packed_hits"] == r["prompts"] for r in resumed["results"])  # method stats survive the replay
+
+    with pytest.raises(D3DError, match="other settings or prompts"):
+        run_bench(model, tok, runners, prompts, SamplingParams(), 8, progress=False, journal=journal,
+                  header={"methods": ["ar"]})
+    with pytest.raises(D3DError, match="other settings or prompts"):
+        run_bench(model, tok, runners, {"chat": ["hello"]}, SamplingParams(), 4, progress=False, journal=journal,
+                  header=header)
+
+
 # ---------------------------------------------------------------- report
 
 def _fixture_report() -> dict:
@@ -248,6 +294,7 @@ def test_quick_bench_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert report["settings"]["quick"] is True and report["settings"]["max_new_tokens"] == 16
+    assert report["resumed"] == 0 and not (tmp_path / "quick.json.journal").exists()
     assert report["settings"]["benchmarks"] == ["gsm8k", "mt-bench"]
     assert "git_commit" in report["machine"] and report["machine"]["threads"] == 1
     rows = {(r["benchmark"], r["method"]): r for r in report["results"]}

@@ -133,3 +133,25 @@ def test_a_stopped_run_continues_under_a_looser_rule(tmp_path):
     pruned, again = prune(drafter_with([0, 1, 2]), calib, 24, tmp_path / "run", keep_ratio=0.01, min_layers=1,
                           log=lambda *_: None)
     assert len(again["steps"]) == 2 and len(pruned.layers) == 1
+
+
+def test_with_healing_the_stopping_rule_judges_the_healed_drafter(tmp_path, monkeypatch):
+    """tau here is a stand-in that grows with depth and with healing: removals that only healing makes
+    acceptable go through, and the first removal that healing cannot rescue is undone."""
+    import d3d.prune as prune_module
+
+    def fake_tau(d, calib, max_new_tokens):
+        mean = 1.0 + 0.1 * len(d.layers) + (0.5 if getattr(d, "healed", False) else 0.0)
+        return {"math": mean, "mean": mean}
+
+    def heal_above_one_layer(d):
+        d.healed = len(d.layers) > 1
+
+    monkeypatch.setattr(prune_module, "calibration_tau", fake_tau)
+    _, unhealed = prune(drafter_with([0, 1, 2]), tiny_calibration(), 24, tmp_path / "plain", keep_ratio=0.99, log=lambda *_: None)
+    assert unhealed["steps"] == [] and "best 1.2 <" in unhealed["stopped"]
+    pruned, state = prune(drafter_with([0, 1, 2]), tiny_calibration(), 24, tmp_path / "healed", keep_ratio=0.99,
+                          heal=heal_above_one_layer, log=lambda *_: None)
+    assert len(pruned.layers) == 2 and len(state["steps"]) == 1
+    assert state["steps"][0]["tau"]["mean"] == 1.7 and state["steps"][0]["tau_unhealed"]["mean"] == 1.2
+    assert "best 1.1 after healing" in state["stopped"]

@@ -10,6 +10,9 @@ A benchmark item is a user message (str) or a MultiTurn (MT-Bench): every turn o
 prompt, and turn k > 1 is asked in a chat holding the earlier turns and the target's greedy (AR) answers
 to them (at temperature 0 that is the measured AR generation itself; when sampling, an extra unrecorded
 greedy AR generation).
+
+A long run resumes: every finished generation is appended to a journal (one JSON line each, flushed),
+and a rerun with the same settings replays the journal instead of generating again.
 """
 from __future__ import annotations
 
@@ -17,11 +20,13 @@ import json
 import os
 import platform
 import subprocess
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from .data import atomic_write_bytes
 from .engine import GenerationResult, validate_request
 from .methods import Runner
 from .prompts import BenchItem, MultiTurn
@@ -95,6 +100,45 @@ def machine_info(device: str) -> dict:
 _BASE_KEYS = frozenset(GenerationResult([]).to_json())
 
 
+@dataclass
+class RecordedResult(GenerationResult):
+    """A generation replayed from a bench journal: the base fields plus the method's extra statistics."""
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return super().to_json() | self.extra
+
+    @classmethod
+    def from_json(cls, d: dict) -> RecordedResult:
+        return cls([], d["token_ids"], d["acceptance_lengths"], d["prefill_s"], d["decode_s"], d["finish_reason"],
+                   d["text"], {k: v for k, v in d.items() if k not in _BASE_KEYS})
+
+
+def open_journal(path: Path, header: dict) -> tuple[dict[str, RecordedResult], object]:
+    """Read the finished generations of an interrupted run from `path` (a torn last line is dropped) and
+    return them with the journal opened for appending. The journal must have been written with `header`."""
+    done: dict[str, RecordedResult] = {}
+    if path.exists():
+        lines = path.read_text().splitlines()
+        try:
+            first = json.loads(lines[0]) if lines else None
+        except json.JSONDecodeError:
+            first = None
+        if first != {"header": header}:
+            raise D3DError(f"{path} holds an interrupted run with other settings or prompts; "
+                           f"delete it or choose another --out")
+        for line in lines[1:]:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                break
+            done[row["key"]] = RecordedResult.from_json(row["result"])
+        atomic_write_bytes(path, "".join(line + "\n" for line in lines[:1 + len(done)]).encode())
+    else:
+        atomic_write_bytes(path, (json.dumps({"header": header}) + "\n").encode())
+    return done, path.open("a")
+
+
 def _prompt_row(benchmark: str, method: str, index: int, r: GenerationResult, save_outputs: bool,
                 item: int | None = None, turn: int | None = None) -> dict:
     row = {"benchmark": benchmark, "method": method, "prompt_index": index, "new_tokens": r.new_tokens,
@@ -160,12 +204,15 @@ def _turns(item: BenchItem) -> list[str]:
 
 def run_bench(model, tokenizer, runners: dict[str, Runner], prompts: dict[str, list[BenchItem]],
               params: SamplingParams, max_new_tokens: int, raw: bool = False, save_outputs: bool = False,
-              block_size: int = 16, progress: bool = True) -> dict:
-    """Run every runner on every prompt of every benchmark; returns {"results": [...], "per_prompt": [...]}.
+              block_size: int = 16, progress: bool = True, journal: Path | None = None,
+              header: dict | None = None) -> dict:
+    """Run every runner on every prompt of every benchmark; returns {"results": [...], "per_prompt": [...],
+    "resumed": number of generations replayed from `journal`}.
 
     `runners` must contain "ar" (the reference). Items are user messages or MultiTurn chats (each turn
     a measured prompt, see the module doc). With a seed, measured prompt i of a benchmark is sampled
-    with seed + i for every method, so methods see the same random streams per prompt.
+    with seed + i for every method, so methods see the same random streams per prompt. With `journal`,
+    finished generations are recorded there and replayed on a rerun whose `header` (settings) matches.
     """
     if "ar" not in runners:
         raise D3DError("the benchmark needs the 'ar' method as its reference")
@@ -180,13 +227,15 @@ def run_bench(model, tokenizer, runners: dict[str, Runner], prompts: dict[str, l
                 ids = encode_chat(tokenizer, chat + [{"role": "user", "content": turns[t]}], raw)
                 validate_request(model, ids, max_new_tokens + t * (max_new_tokens + 8), block_size)
 
+    done, log = open_journal(journal, {**(header or {}), "prompts": _fingerprint(prompts)}) \
+        if journal is not None else ({}, None)
     first = encode_chat(tokenizer, [{"role": "user", "content": _turns(next(
         item for items in prompts.values() for item in items))[0]}], raw)
     for m in methods:  # warm-up (allocations, lazy init), not recorded
         runners[m](first, params=params, max_new_tokens=min(max_new_tokens, 8))
 
     total = sum(len(_turns(item)) for items in prompts.values() for item in items) * len(methods)
-    bar = tqdm(total=total, desc="bench", unit="gen", disable=not progress)
+    bar = tqdm(total=total, initial=len(done), desc="bench", unit="gen", disable=not progress)
     results, per_prompt = [], []
     for benchmark, items in prompts.items():
         outs: dict[str, list[GenerationResult]] = {m: [] for m in methods}
@@ -201,11 +250,17 @@ def run_bench(model, tokenizer, runners: dict[str, Runner], prompts: dict[str, l
                 p = SamplingParams(params.temperature, params.top_k, params.top_p, seed)
                 multi = (item_index, t + 1) if isinstance(item, MultiTurn) else (None, None)
                 for m in methods:
-                    r = runners[m](ids, params=p, max_new_tokens=max_new_tokens)
+                    key = f"{benchmark}/{item_index}/{t}/{m}"
+                    r = done.get(key)
+                    if r is None:
+                        r = runners[m](ids, params=p, max_new_tokens=max_new_tokens)
+                        if log is not None:
+                            log.write(json.dumps({"key": key, "result": r.to_json()}) + "\n")
+                            log.flush()
+                        bar.update()
                     outs[m].append(r)
                     per_prompt.append(_prompt_row(benchmark, m, i, r, save_outputs, *multi))
                     bar.set_postfix_str(f"{benchmark} {m} tau={r.tau:.2f}")
-                    bar.update()
                 if t + 1 < len(turns):  # the next turn sees the target's own greedy answer
                     answer = outs["ar"][-1] if params.greedy else \
                         runners["ar"](ids, params=SamplingParams(), max_new_tokens=max_new_tokens)
@@ -213,7 +268,26 @@ def run_bench(model, tokenizer, runners: dict[str, Runner], prompts: dict[str, l
                 i += 1
         results += [_summary(benchmark, m, outs[m], outs["ar"], params.greedy, block_size) for m in methods]
     bar.close()
-    return {"results": results, "per_prompt": per_prompt}
+    if log is not None:
+        log.close()
+    return {"results": results, "per_prompt": per_prompt, "resumed": len(done)}
+
+
+def weights_fingerprint(drafter_dir: Path) -> str:
+    """First 16 hex digits of the sha256 of a drafter's weights: which checkpoint a result came from."""
+    import hashlib
+
+    from .drafter import WEIGHTS_NAME
+
+    return hashlib.sha256((Path(drafter_dir) / WEIGHTS_NAME).read_bytes()).hexdigest()[:16]
+
+
+def _fingerprint(prompts: dict[str, list[BenchItem]]) -> dict[str, str]:
+    """A short hash of each benchmark's prompt list, so a journal is replayed only for the same prompts."""
+    import hashlib
+
+    return {b: hashlib.sha256(json.dumps([_turns(item) for item in items]).encode()).hexdigest()[:16]
+            for b, items in prompts.items()}
 
 
 def format_table(results: list[dict]) -> str:

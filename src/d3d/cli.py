@@ -154,9 +154,9 @@ def _bench_prompts(args: argparse.Namespace) -> dict[str, list]:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from .bench import format_table, machine_info, run_bench
+    from .bench import format_table, machine_info, run_bench, weights_fingerprint
     from .data import atomic_write_json
-    from .methods import make_runner, parse_methods
+    from .methods import drafter_path, make_runner, parse_methods
 
     methods = parse_methods(args.methods)
     methods = ["ar"] + [m for m in dict.fromkeys(methods) if m != "ar"]
@@ -178,18 +178,24 @@ def cmd_bench(args: argparse.Namespace) -> None:
     model, tok, model_dir = _load_target(args.target, args.device)
     runners = {m: make_runner(m, model, tok, model_dir, drafter=_drafter_for(m, args), block_size=args.block_size)
                for m in methods}
+    drafters = {m: drafter_path(m, model_dir, _drafter_for(m, args)) for m in methods}
+    settings = {"methods": methods, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "block_size": args.block_size,
+                "raw": args.raw, "target": args.target, "drafter": args.drafter,
+                "dflash_drafter": args.dflash_drafter, "ar_drafter": args.ar_drafter,
+                "drafter_weights": {m: weights_fingerprint(p) for m, p in drafters.items() if p is not None},
+                "benchmarks": list(prompts), "limit": args.limit, "quick": args.quick}
+    journal = out.with_name(out.name + ".journal")
     report = run_bench(model, tok, runners, prompts, params, args.max_new_tokens, raw=args.raw,
-                       save_outputs=args.save_outputs, block_size=args.block_size)
+                       save_outputs=args.save_outputs, block_size=args.block_size, journal=journal,
+                       header={**settings, "device": args.device, "threads": torch.get_num_threads()})
     report = {"machine": machine_info(args.device), "command": "d3d " + shlex.join(args.argv),
-              "settings": {"methods": methods, "max_new_tokens": args.max_new_tokens,
-                           "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-                           "seed": args.seed, "block_size": args.block_size, "raw": args.raw,
-                           "target": args.target, "drafter": args.drafter, "benchmarks": list(prompts),
-                           "limit": args.limit, "quick": args.quick},
-              **report}
+              "settings": settings, **report}
     atomic_write_json(out, report)
+    journal.unlink()
     print(format_table(report["results"]))
-    print(f"wrote {out}")
+    resumed = f" ({report['resumed']} generations replayed from an interrupted run)" if report["resumed"] else ""
+    print(f"wrote {out}{resumed}")
 
 
 def cmd_report(args: argparse.Namespace) -> None:
@@ -418,7 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--methods", default="ar,ngram", help="comma-separated; ar is always added as reference")
     b.add_argument("--limit", type=int, default=None, help="first N prompts of each benchmark")
     b.add_argument("--save-outputs", action="store_true", help="also store token ids and text per prompt")
-    b.add_argument("--out", required=True, help="output JSON file")
+    b.add_argument("--out", required=True, help="output JSON file (an interrupted run resumes from OUT.journal)")
     b.add_argument("--quick", action="store_true",
                    help=f"smoke run: {QUICK_LIMIT} prompt per benchmark, {QUICK_NEW_TOKENS} new tokens "
                         f"(unless --limit / --max-new-tokens say otherwise)")

@@ -29,15 +29,15 @@ def make_runner(method: str, model, tokenizer, model_dir: Path, drafter: str | N
         return partial(generate, model, tokenizer)
     if method == "ngram":
         return partial(generate, model, tokenizer, proposer=NgramProposer(), block_size=block_size)
+    path = drafter_path(method, model_dir, drafter)
     if method == "d3d":
-        d = _d3d_kind(load_drafter(drafter or default_drafter(model_dir), model, tokenizer, device=_device_of(model)))
+        d = _d3d_kind(load_drafter(path, model, tokenizer, device=_device_of(model)))
         proposer = D3DProposer(d, model.args.vocab_size, max_len=model.args.max_seq_len)
         return partial(generate, model, tokenizer, proposer=proposer, block_size=d.block_size)
     if method in BASELINE_SUFFIX:
         from .ardraft import ARDraftProposer
         from .dflash import DFlashProposer
 
-        path = drafter or default_drafter(model_dir, BASELINE_SUFFIX[method])
         d = load_drafter(path, model, tokenizer, device=_device_of(model))
         want = {"ar-draft": "ar", "dflash": "dflash"}[method]
         if d.cfg.kind != want:
@@ -50,11 +50,20 @@ def make_runner(method: str, model, tokenizer, model_dir: Path, drafter: str | N
 
         return HFRunner(load_hf_model(model_dir, _device_of(model)), tokenizer, prompt_lookup=method == "hf-lookup")
     if method == "d3d-async":
-        d = _d3d_kind(load_drafter(drafter or default_drafter(model_dir), model, tokenizer,
-                                   device=draft_device or _device_of(model)))
+        d = _d3d_kind(load_drafter(path, model, tokenizer, device=draft_device or _device_of(model)))
         run = partial(generate_async, model, tokenizer, drafter=d, draft_device=draft_device)
         return _split_cpu_threads(run) if _device_of(d) == "cpu" == _device_of(model) else run
     raise D3DError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+
+
+def drafter_path(method: str, model_dir: Path, drafter: str | None = None) -> Path | None:
+    """The checkpoint `method` drafts with: `drafter` if given, else the one shipped for the target; None
+    for methods without a learned drafter."""
+    if method in ("d3d", "d3d-async"):
+        return Path(drafter) if drafter else default_drafter(model_dir)
+    if method in BASELINE_SUFFIX:
+        return Path(drafter) if drafter else default_drafter(model_dir, BASELINE_SUFFIX[method])
+    return None
 
 
 def _d3d_kind(d):

@@ -4,8 +4,9 @@ A packed pass of asynchronous D3D costs about B plain drafts, so every drafter l
 would in DFlash. Following the paper, layers are removed one at a time: at each step every remaining
 layer is bypassed in turn (its residual branch skipped, so the stream passes straight through), the
 acceptance length tau is re-measured on calibration sets with the replay estimator (d3d.estimate: no
-target forward), and the layer whose removal costs least goes. Pruning stops when the best removal
-would fall below `keep_ratio` of the starting mean tau, or when a layer budget is reached.
+target forward), and the layer whose removal costs least goes, optionally followed by a short healing
+fine-tune. Pruning stops when the best removal (healed, if healing is on) would fall below `keep_ratio`
+of the starting mean tau, or when a layer budget is reached.
 
 Calibration continuations are the target's greedy outputs, generated once and cached in the run folder;
 after every step the pruned drafter and a state file are written atomically, so a killed run resumes.
@@ -111,9 +112,10 @@ def prune(drafter: Drafter, calib: Calibration, max_new_tokens: int, run_dir: Pa
           min_layers: int = 1, heal=None, log=print) -> tuple[Drafter, dict]:
     """Remove layers one at a time (see module docstring). Resumes from run_dir/state.json.
 
-    heal: optional function drafter -> None that fine-tunes a freshly pruned drafter in place (the stopping
-    rule looks at tau before healing). Rerunning with another keep_ratio / min_layers continues from
-    where the run stands. Returns (pruned drafter, state dict)."""
+    heal: optional function drafter -> None that fine-tunes a freshly pruned drafter in place; the stopping
+    rule then judges the healed drafter, and a removal whose healed tau falls below the floor is undone.
+    Rerunning with another keep_ratio / min_layers continues from where the run stands.
+    Returns (pruned drafter, state dict)."""
     import json
 
     state_path, current = run_dir / "state.json", run_dir / "current"
@@ -145,20 +147,23 @@ def prune(drafter: Drafter, calib: Calibration, max_new_tokens: int, run_dir: Pa
             with bypassed(drafter, {i}):
                 trials[i] = calibration_tau(drafter, calib, max_new_tokens)
         best = max(trials, key=lambda i: trials[i]["mean"])
-        if trials[best]["mean"] < floor:
-            state["stopped"] = (f"removing any further layer keeps < {keep_ratio} of tau "
-                                f"(best {trials[best]['mean']} < {floor:.4f})")
-            state["last_candidates"] = {str(state["stack"][k]): v["mean"] for k, v in trials.items()}
-            break
-        drafter = remove_layers(drafter, {best})
-        tau = trials[best]
-        if heal is not None:
-            heal(drafter)
-            tau = calibration_tau(drafter, calib, max_new_tokens)
         candidates = {str(state["stack"][k]): v["mean"] for k, v in trials.items()}
+        pruned, tau = remove_layers(drafter, {best}), trials[best]
+        if heal is not None:
+            heal(pruned)
+            tau = calibration_tau(pruned, calib, max_new_tokens)
+        if tau["mean"] < floor:
+            healed = f" after healing (unhealed {trials[best]['mean']})" if heal is not None else ""
+            state["stopped"] = (f"removing any further layer keeps < {keep_ratio} of tau "
+                                f"(best {tau['mean']}{healed} < {floor:.4f})")
+            state["last_candidates"] = candidates
+            break
+        drafter = pruned
         removed = state["stack"].pop(best)
         step = {"removed": removed, "init_layer": state["init_layers"][removed] if state["init_layers"] else None,
                 "layers": len(drafter.layers), "tau": tau, "candidates": candidates, **draft_times(drafter, context)}
+        if heal is not None:
+            step["tau_unhealed"] = trials[best]
         state["steps"].append(step)
         save_drafter(drafter, current)
         atomic_write_json(state_path, state)
