@@ -56,6 +56,7 @@ EARLY_ERRORS = [
     (("train", "--out", "x", "--layers", "3,99"), "--layers must lie in"),
     (("train", "--out", "x", "--kind", "dflash", "--target-layers", "40"), "--target-layers must lie in"),
     (("train", "--out", "x", "--kind", "ar", "--ar-weight", "0"), "--ar-weight must be > 0"),
+    (("train", "--out", "x", "--init", "/nonexistent/d"), "does not exist"),
 ]
 
 

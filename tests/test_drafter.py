@@ -125,6 +125,23 @@ def test_checkpoint_round_trip(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dr"]
 
 
+def test_train_can_fine_tune_a_shipped_drafter(tmp_path):
+    from d3d.train import train_drafter
+
+    shipped, data = DEFAULT_DRAFTERS / "SmolLM2-135M-Instruct", Path(__file__).resolve().parents[1] / "data" / "distill"
+    cfg = TrainConfig(steps=1, batch_size=1, lr=1e-4, warmup=0)
+    with pytest.raises(D3DError, match="is a 'ar' drafter, not 'd3d'"):
+        train_drafter(None, data, tmp_path / "x", tmp_path / "x.run", [], 0, 16, cfg, heldout=2,
+                      init=shipped.with_name(shipped.name + "-ar"))
+    summary = train_drafter(None, data, tmp_path / "tuned", tmp_path / "tuned.run", [], 0, 16, cfg, heldout=2,
+                            max_shards=1, init=shipped)
+    tuned, original = json.loads((tmp_path / "tuned" / "drafter.json").read_text()), \
+        json.loads((shipped / "drafter.json").read_text())
+    assert summary["init"] == str(shipped) and summary["steps_done"] == 1
+    assert summary["init_training"]["command"] == original["training"]["command"]
+    assert tuned["init_layers"] == original["init_layers"] and tuned["draft_vocab_size"] == original["draft_vocab_size"]
+
+
 def test_draft_after_incremental_updates_equals_from_scratch():
     d = tiny_drafter().eval().requires_grad_(False)
     seq = [random.Random(1).randrange(TINY.vocab_size) for _ in range(60)]

@@ -264,6 +264,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     from .dflash import default_target_layers
     from .target import read_hf_config, resolve_target
 
+    if args.init:
+        _check_drafter(args.init)
     layers = _int_list(args.layers, "--layers")
     ar_weight = {"d3d": 0.5, "dflash": 0.0, "ar": 1.0}[args.kind] if args.ar_weight is None else args.ar_weight
     if args.kind == "ar" and ar_weight <= 0:
@@ -283,7 +285,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     run_dir = Path(args.run_dir or Path(args.out).with_name(Path(args.out).name + ".run"))
     summary = train_drafter(args.target, Path(args.data), Path(args.out), run_dir, layers, args.draft_vocab,
                             args.block_size, cfg, command="d3d " + shlex.join(args.argv),
-                            max_shards=args.max_shards, kind=args.kind, target_layers=target_layers)
+                            max_shards=args.max_shards, kind=args.kind, target_layers=target_layers,
+                            init=Path(args.init) if args.init else None)
     before, after = summary["heldout_before"], summary["heldout_after"]
     tau = f"held-out teacher-forced tau {before['tau']} -> {after['tau']}, " if "tau" in after else ""
     print(f"{args.out}: {tau}held-out loss {before['loss']} -> {after['loss']}")
@@ -326,7 +329,7 @@ def cmd_prune(args: argparse.Namespace) -> None:
             d.eval().requires_grad_(False)
 
     pruned, state = prune(drafter, calib, args.max_new_tokens, run_dir, keep_ratio=args.keep_ratio,
-                          min_layers=args.min_layers, heal=heal)
+                          min_layers=args.min_layers, heal=heal, heal_steps=args.heal_steps)
     report = pruning_report(state, {
         "command": "d3d " + shlex.join(args.argv), "drafter": str(src), "out": args.out, "calibration_sets": sets,
         "prompts_per_set": args.prompts_per_set, "max_new_tokens": args.max_new_tokens,
@@ -338,7 +341,7 @@ def cmd_prune(args: argparse.Namespace) -> None:
     save_drafter(pruned, Path(args.out))
     Path(args.report).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(Path(args.report), report)
-    plot_pruning(report, Path(args.report).with_name("prune.png"))
+    plot_pruning(report, Path(args.report).with_suffix(".png"))
     print(f"{args.out}: {report['layers_before']} -> {report['layers_after']} layers, mean calibration tau "
           f"{report['tau_before']['mean']} -> {report['tau_after']['mean']} ({report['kept']:.1%} kept); "
           f"{state['stopped']}; wrote {args.report}")
@@ -458,6 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", required=True, help="drafter folder to write (drafter.safetensors + drafter.json)")
     t.add_argument("--run-dir", default=None, help="checkpoints and history (default: OUT.run); reused to resume")
     t.add_argument("--layers", default="26,27,28,29", help="target layers that initialise the drafter stack")
+    t.add_argument("--init", default=None, help="fine-tune this drafter checkpoint instead of building a new one")
     t.add_argument("--draft-vocab", type=int, default=8192, help="LM head rows (most frequent tokens); 0 = all")
     t.add_argument("--block-size", type=int, default=16)
     t.add_argument("--steps", type=int, default=600)

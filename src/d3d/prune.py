@@ -109,12 +109,13 @@ def draft_times(drafter: Drafter, context: list[int], reps: int = 5) -> dict[str
 
 
 def prune(drafter: Drafter, calib: Calibration, max_new_tokens: int, run_dir: Path, keep_ratio: float = 0.99,
-          min_layers: int = 1, heal=None, log=print) -> tuple[Drafter, dict]:
+          min_layers: int = 1, heal=None, heal_steps: int = 0, log=print) -> tuple[Drafter, dict]:
     """Remove layers one at a time (see module docstring). Resumes from run_dir/state.json.
 
     heal: optional function drafter -> None that fine-tunes a freshly pruned drafter in place; the stopping
     rule then judges the healed drafter, and a removal whose healed tau falls below the floor is undone.
-    Rerunning with another keep_ratio / min_layers continues from where the run stands.
+    Rerunning with another keep_ratio / min_layers / heal_steps (a label of `heal`) continues from where
+    the run stands.
     Returns (pruned drafter, state dict)."""
     import json
 
@@ -125,7 +126,7 @@ def prune(drafter: Drafter, calib: Calibration, max_new_tokens: int, run_dir: Pa
         if state["layers_before"] != len(drafter.layers):
             raise ValueError(f"{state_path} belongs to a {state['layers_before']}-layer drafter")
         drafter = _resume(drafter, state["stack"], current if state["steps"] else None)
-        if state.get("rule") != [keep_ratio, min_layers]:
+        if state.get("rule") != [keep_ratio, min_layers, heal_steps]:
             state["stopped"] = None  # a new stopping rule: look again from where the run stands
         log(f"resumed from {state_path}: {len(state['steps'])} layers removed")
     else:
@@ -135,7 +136,7 @@ def prune(drafter: Drafter, calib: Calibration, max_new_tokens: int, run_dir: Pa
                  "times_before": draft_times(drafter, context), "steps": [], "stopped": None}
         run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_json(state_path, state)
-    state["rule"] = [keep_ratio, min_layers]
+    state["rule"] = [keep_ratio, min_layers, heal_steps]
     floor = keep_ratio * state["tau_before"]["mean"]
     while state["stopped"] is None:
         n = len(drafter.layers)

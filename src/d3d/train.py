@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from .data import Example, atomic_write_json
 from .drafter import Drafter
+from .errors import D3DError
 
 
 @dataclass
@@ -328,29 +329,39 @@ def evaluate(model: Drafter, examples: list[Example], cfg: TrainConfig, batches:
 
 def train_drafter(target: str | None, data: Path, out: Path, run_dir: Path, layers: list[int],
                   draft_vocab: int, block_size: int, cfg: TrainConfig, heldout: int = 64, command: str = "",
-                  max_shards: int | None = None, kind: str = "d3d", target_layers: list[int] | None = None) -> dict:
-    """`d3d train`: build a drafter from the target's layers, train it on the distillation data, save it.
+                  max_shards: int | None = None, kind: str = "d3d", target_layers: list[int] | None = None,
+                  init: Path | None = None) -> dict:
+    """`d3d train`: build a drafter from the target's layers (or start from the drafter `init`, whose
+    architecture then wins over layers / draft_vocab / block_size), train it on the distillation data,
+    save it.
 
     kind "ar" trains a causal drafter (next-token loss only); "dflash" one conditioned on the target's
     hidden states after `target_layers` (the target stays loaded, frozen, to produce them)."""
     from .data import load_dataset
-    from .drafter import drafter_from_target, save_drafter
+    from .drafter import drafter_from_target, load_drafter, save_drafter
     from .target import DEFAULT_TARGET, load_target
 
     model, tok, model_dir = load_target(target)
     examples = load_dataset(data, max_shards)
     train_set, held = examples[:-heldout], examples[-heldout:]
-    draft_ids = draft_vocabulary(train_set, draft_vocab, model.args.vocab_size, [tok.eos_token_id]) \
-        if draft_vocab else None
-    drafter = drafter_from_target(model, tok, target or DEFAULT_TARGET, layers, block_size, draft_ids, kind=kind,
-                                  target_layers=target_layers)
+    if init is not None:
+        drafter = load_drafter(init, model, tok).requires_grad_(True)
+        if drafter.cfg.kind != kind:
+            raise D3DError(f"--init {init} is a {drafter.cfg.kind!r} drafter, not {kind!r} (see --kind)")
+    else:
+        draft_ids = draft_vocabulary(train_set, draft_vocab, model.args.vocab_size, [tok.eos_token_id]) \
+            if draft_vocab else None
+        drafter = drafter_from_target(model, tok, target or DEFAULT_TARGET, layers, block_size, draft_ids,
+                                      kind=kind, target_layers=target_layers)
     feature_target = model.requires_grad_(False) if kind == "dflash" else None
     feats = target_features(feature_target, train_set, cfg, drafter.cfg.target_layers) if kind == "dflash" else None
     del model
     before = evaluate(drafter, held, cfg, target=feature_target)
     history = train(drafter, train_set, cfg, run_dir, target=feature_target, feats=feats)
     after = evaluate(drafter, held, cfg, target=feature_target)
-    drafter.cfg.training = {"command": command, "data": str(data), "examples": len(train_set), "heldout": heldout,
+    drafter.cfg.training = {"command": command, "init": str(init) if init else None,
+                            "init_training": drafter.cfg.training if init else None,
+                            "data": str(data), "examples": len(train_set), "heldout": heldout,
                             "data_response_tokens": sum(len(ex.response_ids) for ex in examples),
                             "config": cfg.__dict__, "steps_done": len(history), "heldout_before": before,
                             "heldout_after": after}
