@@ -273,15 +273,6 @@ def run_bench(model, tokenizer, runners: dict[str, Runner], prompts: dict[str, l
     return {"results": results, "per_prompt": per_prompt, "resumed": len(done)}
 
 
-def weights_fingerprint(drafter_dir: Path) -> str:
-    """First 16 hex digits of the sha256 of a drafter's weights: which checkpoint a result came from."""
-    import hashlib
-
-    from .drafter import WEIGHTS_NAME
-
-    return hashlib.sha256((Path(drafter_dir) / WEIGHTS_NAME).read_bytes()).hexdigest()[:16]
-
-
 def _fingerprint(prompts: dict[str, list[BenchItem]]) -> dict[str, str]:
     """A short hash of each benchmark's prompt list, so a journal is replayed only for the same prompts."""
     import hashlib

@@ -154,8 +154,9 @@ def _bench_prompts(args: argparse.Namespace) -> dict[str, list]:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from .bench import format_table, machine_info, run_bench, weights_fingerprint
+    from .bench import format_table, machine_info, run_bench
     from .data import atomic_write_json
+    from .drafter import weights_fingerprint
     from .methods import drafter_path, make_runner, parse_methods
 
     methods = parse_methods(args.methods)
@@ -176,9 +177,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
         raise D3DError(f"cannot create the folder of --out {out}: {e.strerror or e}") from None
 
     model, tok, model_dir = _load_target(args.target, args.device)
-    runners = {m: make_runner(m, model, tok, model_dir, drafter=_drafter_for(m, args), block_size=args.block_size)
-               for m in methods}
     drafters = {m: drafter_path(m, model_dir, _drafter_for(m, args)) for m in methods}
+    runners = {m: make_runner(m, model, tok, model_dir, drafter=drafters[m], block_size=args.block_size)
+               for m in methods}
     settings = {"methods": methods, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                 "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "block_size": args.block_size,
                 "raw": args.raw, "target": args.target, "drafter": args.drafter,

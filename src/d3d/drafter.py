@@ -31,6 +31,11 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha1(json.dumps(vocab).encode()).hexdigest()[:16]
 
 
+def weights_fingerprint(drafter_dir: str | Path) -> str:
+    """First 16 hex digits of the sha256 of a drafter's weights: which checkpoint a result came from."""
+    return hashlib.sha256((Path(drafter_dir) / WEIGHTS_NAME).read_bytes()).hexdigest()[:16]
+
+
 @dataclass
 class DrafterConfig:
     args: dict                    # ModelArgs fields of the drafter stack (width = target width)

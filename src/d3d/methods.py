@@ -22,7 +22,7 @@ BEST_METHOD = "ngram"  # what `d3d demo` compares against plain decoding
 Runner = Callable[..., GenerationResult]
 
 
-def make_runner(method: str, model, tokenizer, model_dir: Path, drafter: str | None = None,
+def make_runner(method: str, model, tokenizer, model_dir: Path, drafter: str | Path | None = None,
                 block_size: int = 16, draft_device: str | None = None) -> Runner:
     """A function (prompt_ids, params=..., max_new_tokens=..., stop=...) -> GenerationResult."""
     if method == "ar":
@@ -56,7 +56,7 @@ def make_runner(method: str, model, tokenizer, model_dir: Path, drafter: str | N
     raise D3DError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
 
 
-def drafter_path(method: str, model_dir: Path, drafter: str | None = None) -> Path | None:
+def drafter_path(method: str, model_dir: Path, drafter: str | Path | None = None) -> Path | None:
     """The checkpoint `method` drafts with: `drafter` if given, else the one shipped for the target; None
     for methods without a learned drafter."""
     if method in ("d3d", "d3d-async"):
