@@ -19,7 +19,7 @@ import torch
 
 from d3d.bench import machine_info
 from d3d.data import atomic_write_json
-from d3d.drafter import load_drafter
+from d3d.drafter import load_drafter, weights_fingerprint
 from d3d.estimate import benchmark_continuations, mean_tau
 from d3d.target import load_target
 
@@ -43,7 +43,7 @@ def main() -> None:
         name, path = spec.split("=", 1)
         d = load_drafter(path, model, tok)
         cfg = json.loads((Path(path) / "drafter.json").read_text())
-        row = {"path": path, "layers": len(d.layers), "training": cfg.get("training", {}).get("command"),
+        row = {"path": path, "weights": weights_fingerprint(path), "layers": len(d.layers), "training": cfg.get("training", {}).get("command"),
                "heldout_teacher_forced": cfg.get("training", {}).get("heldout_after")}
         for b, pairs in conts.items():
             row[b] = round(mean_tau(d, [p for p, _ in pairs], [c for _, c in pairs], args.max_new_tokens), 4)

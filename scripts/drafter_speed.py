@@ -17,6 +17,7 @@ import torch
 
 from d3d.bench import machine_info
 from d3d.data import atomic_write_json
+from d3d.drafter import weights_fingerprint
 from d3d.engine import generate
 from d3d.methods import make_runner
 from d3d.prompts import benchmark_prompts, first_turn
@@ -61,7 +62,9 @@ def main() -> None:
                                                             for r in rows)
     atomic_write_json(args.out, {"command": "python " + shlex.join(sys.argv), "machine": machine_info("cpu"),
                                  "method": args.method, "max_new_tokens": args.max_new_tokens,
-                                 "drafters": dict(s.split("=", 1) for s in args.drafters), "summary": summary,
+                                 "drafters": {n: {"path": p, "weights": weights_fingerprint(p)}
+                                              for n, p in (s.split("=", 1) for s in args.drafters)},
+                                 "summary": summary,
                                  "per_prompt": rows})
     print(summary)
 
