@@ -10,7 +10,6 @@ At temperature 0 the tau of a `d3d` run is a function of the drafter and of the 
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 from pathlib import Path
@@ -42,9 +41,8 @@ def main() -> None:
     for spec in args.drafters:
         name, path = spec.split("=", 1)
         d = load_drafter(path, model, tok)
-        cfg = json.loads((Path(path) / "drafter.json").read_text())
-        row = {"path": path, "weights": weights_fingerprint(path), "layers": len(d.layers), "training": cfg.get("training", {}).get("command"),
-               "heldout_teacher_forced": cfg.get("training", {}).get("heldout_after")}
+        row = {"path": path, "weights": weights_fingerprint(path), "layers": len(d.layers),
+               "training": d.cfg.training.get("command"), "heldout_teacher_forced": d.cfg.training.get("heldout_after")}
         for b, pairs in conts.items():
             row[b] = round(mean_tau(d, [p for p, _ in pairs], [c for _, c in pairs], args.max_new_tokens), 4)
         row["mean"] = round(sum(row[b] for b in conts) / len(conts), 4)
