@@ -321,7 +321,7 @@ def cmd_prune(args: argparse.Namespace) -> None:
     calib = calibration_data(model, tok, sets, args.prompts_per_set, args.max_new_tokens, run_dir / "calibration.json")
     heal = None
     if args.heal_steps:
-        examples = load_dataset(args.data)
+        examples = load_dataset(args.data, args.max_shards)
 
         def heal(d):
             d.requires_grad_(True)
@@ -496,6 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--heal-steps", type=int, default=0, help="fine-tune steps after each removal (0 = none)")
     pr.add_argument("--heal-lr", type=float, default=2e-4)
     pr.add_argument("--data", default="data/distill", help="training data for healing")
+    pr.add_argument("--max-shards", type=int, default=None, help="heal on the first N data shards only")
     pr.add_argument("--heldout", default="gsm8k,math500,humaneval,mt-bench,sharegpt",
                     help="benchmarks on which to check tau before/after ('' = skip)")
     pr.add_argument("--heldout-limit", type=int, default=5)
