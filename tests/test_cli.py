@@ -52,11 +52,13 @@ EARLY_ERRORS = [
     (("prune", "--out", "x", "--sets", "math,poetry"), "--sets"),
     (("prune", "--out", "x", "--keep-ratio", "1.5"), "--keep-ratio"),
     (("prune", "--out", "x", "--drafter", "/nonexistent/d"), "does not exist"),
+    (("prune", "--out", "x", "--heal-steps", "5", "--max-shards", "0"), "--max-shards must be >= 1"),
     (("train", "--out", "x", "--layers", "1,x"), "comma-separated integers"),
     (("train", "--out", "x", "--layers", "3,99"), "--layers must lie in"),
     (("train", "--out", "x", "--kind", "dflash", "--target-layers", "40"), "--target-layers must lie in"),
     (("train", "--out", "x", "--kind", "ar", "--ar-weight", "0"), "--ar-weight must be > 0"),
     (("train", "--out", "x", "--init", "/nonexistent/d"), "does not exist"),
+    (("train", "--out", "x", "--max-shards", "0"), "--max-shards must be >= 1"),
 ]
 
 

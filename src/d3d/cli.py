@@ -66,6 +66,11 @@ def _load_target(target: str | None, device: str = "cpu"):
         raise D3DError(f"could not load target {target}: {msg}") from None
 
 
+def _check_max_shards(max_shards: int | None) -> None:
+    if max_shards is not None and max_shards < 1:
+        raise D3DError(f"--max-shards must be >= 1 (got {max_shards})")
+
+
 def _check_drafter(drafter: str | None) -> None:
     if drafter is not None and not Path(drafter).expanduser().exists():
         raise D3DError(f"drafter path does not exist: {drafter}")
@@ -262,6 +267,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     if not (Path(args.data) / "manifest.json").exists():
         raise D3DError(f"no dataset at {args.data} (build one with `d3d data --out {args.data}`)")
+    _check_max_shards(args.max_shards)
     from .dflash import default_target_layers
     from .target import read_hf_config, resolve_target
 
@@ -310,6 +316,7 @@ def cmd_prune(args: argparse.Namespace) -> None:
         raise D3DError(f"--keep-ratio must be in (0, 1] (got {args.keep_ratio})")
     if args.heal_steps and not (Path(args.data) / "manifest.json").exists():
         raise D3DError(f"--heal-steps needs training data; none at {args.data}")
+    _check_max_shards(args.max_shards)
     _check_drafter(args.drafter)
     model, tok, model_dir = _load_target(args.target, "cpu")
     src = args.drafter or default_drafter(model_dir)
