@@ -59,6 +59,7 @@ EARLY_ERRORS = [
     (("train", "--out", "x", "--kind", "ar", "--ar-weight", "0"), "--ar-weight must be > 0"),
     (("train", "--out", "x", "--init", "/nonexistent/d"), "does not exist"),
     (("train", "--out", "x", "--max-shards", "0"), "--max-shards must be >= 1"),
+    (("train", "--out", "x", "--layer-drop", "1"), "--layer-drop must be in [0, 1)"),
 ]
 
 

@@ -16,7 +16,7 @@ from d3d.engine import generate
 from d3d.methods import DEFAULT_DRAFTERS
 from d3d.prompts import benchmark_prompt_hashes
 from d3d.target import D3DError, ModelArgs, Transformer
-from d3d.train import TrainConfig, block_layout, make_batch, train, vocab_map_for
+from d3d.train import TrainConfig, block_layout, dropped_layers, make_batch, train, vocab_map_for
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ModelArgs(vocab_size=32, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, intermediate_size=64,
@@ -107,6 +107,31 @@ def test_training_resumes_exactly_after_a_kill(tmp_path, monkeypatch):
     assert len(hist) == 6
     for (k, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         assert torch.allclose(a, b, atol=1e-6), k
+
+
+def test_layer_drop_draws_are_reproducible_never_empty_the_stack_and_hit_the_rate():
+    assert all(dropped_layers(4, 0.0, step, 0) == set() for step in range(50))
+    draws = [dropped_layers(4, 0.3, step, 0) for step in range(4000)]
+    assert draws == [dropped_layers(4, 0.3, step, 0) for step in range(4000)]
+    assert all(len(d) < 4 and d <= {0, 1, 2, 3} for d in draws)
+    for layer in range(4):
+        rate = sum(layer in d for d in draws) / len(draws)
+        assert 0.27 < rate < 0.33, (layer, rate)
+    assert draws != [dropped_layers(4, 0.3, step, 1) for step in range(4000)]
+    assert all(len(dropped_layers(2, 0.99, step, 0)) == 1 for step in range(50))
+
+
+def test_layer_drop_training_leaves_the_skipped_layers_untouched_that_step(tmp_path):
+    seed = next(s for s in range(100) if dropped_layers(2, 0.5, 0, s) == {1})
+    cfg = TrainConfig(steps=1, batch_size=4, lr=1e-2, warmup=0, blocks_per_seq=3, layer_drop=0.5, seed=seed)
+    d = tiny_drafter()
+    before = {k: v.clone() for k, v in d.state_dict().items()}
+    hist = train(d, tiny_examples(), cfg, tmp_path / "run", log=lambda *_: None)
+    assert hist[0]["dropped"] == [1]
+    after = d.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("layers.1."))
+    assert not all(torch.equal(before[k], after[k]) for k in before if k.startswith("layers.0."))
+    assert len(d.layers) == 2
 
 
 def test_checkpoint_round_trip(tmp_path):

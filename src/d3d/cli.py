@@ -275,6 +275,8 @@ def cmd_train(args: argparse.Namespace) -> None:
         _check_drafter(args.init)
     layers = _int_list(args.layers, "--layers")
     ar_weight = {"d3d": 0.5, "dflash": 0.0, "ar": 1.0}[args.kind] if args.ar_weight is None else args.ar_weight
+    if not 0 <= args.layer_drop < 1:
+        raise D3DError(f"--layer-drop must be in [0, 1) (got {args.layer_drop})")
     if args.kind == "ar" and ar_weight <= 0:
         raise D3DError("--kind ar trains with the next-token loss only: --ar-weight must be > 0")
     n = read_hf_config(resolve_target(args.target))["num_hidden_layers"]
@@ -288,7 +290,7 @@ def cmd_train(args: argparse.Namespace) -> None:
             raise D3DError(f"--target-layers must lie in 0..{n - 1} (got {target_layers})")
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, ar_weight=ar_weight,
                       gamma=args.gamma, blocks_per_seq=0 if args.kind == "ar" else args.blocks_per_seq, seed=args.seed,
-                      warmup=args.warmup, max_prompt_tokens=args.max_prompt_tokens)
+                      warmup=args.warmup, max_prompt_tokens=args.max_prompt_tokens, layer_drop=args.layer_drop)
     run_dir = Path(args.run_dir or Path(args.out).with_name(Path(args.out).name + ".run"))
     summary = train_drafter(args.target, Path(args.data), Path(args.out), run_dir, layers, args.draft_vocab,
                             args.block_size, cfg, command="d3d " + shlex.join(args.argv),
@@ -485,6 +487,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lambda of the auxiliary AR loss (default: d3d 0.5, dflash 0, ar 1)")
     t.add_argument("--gamma", type=float, default=7.0, help="slot k loss weight exp(-k / gamma)")
     t.add_argument("--blocks-per-seq", type=int, default=12)
+    t.add_argument("--layer-drop", type=float, default=0.0,
+                   help="LayerDrop: skip each drafter layer with this probability per step (makes it prunable)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--max-shards", type=int, default=None, help="train on the first N data shards only")
     t.add_argument("--threads", type=int, default=None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -102,6 +103,18 @@ class Drafter(Transformer):
         self.cache_len = L + n
         self.cached_tokens += new
         return logits
+
+
+@contextmanager
+def bypassed(drafter: Drafter, drop: set[int] | list[int]):
+    """Run `drafter` with the stack layers `drop` skipped (the residual stream passes through them).
+    Used by pruning (trial removals) and by layer-drop training (d3d.train)."""
+    layers = drafter.layers
+    drafter.layers = nn.ModuleList(layer for i, layer in enumerate(layers) if i not in set(drop))
+    try:
+        yield drafter
+    finally:
+        drafter.layers = layers
 
 
 def target_info(target_name: str, tokenizer, target_args: ModelArgs) -> dict:

@@ -15,31 +15,18 @@ from __future__ import annotations
 
 import statistics
 import time
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 from tqdm import tqdm
 
 from .data import atomic_write_json
-from .drafter import WEIGHTS_NAME, Drafter, drafter_class, save_drafter
+from .drafter import WEIGHTS_NAME, Drafter, bypassed, drafter_class, save_drafter
 from .estimate import mean_tau
 from .packed import keep_prefix, packed_draft
 
 Calibration = dict[str, tuple[list[list[int]], list[list[int]]]]  # set name -> (prompt ids, continuations)
-
-
-@contextmanager
-def bypassed(drafter: Drafter, drop: set[int] | list[int]):
-    """Run `drafter` with the stack layers `drop` skipped (the residual stream passes through them)."""
-    layers = drafter.layers
-    drafter.layers = nn.ModuleList(layer for i, layer in enumerate(layers) if i not in set(drop))
-    try:
-        yield drafter
-    finally:
-        drafter.layers = layers
 
 
 def remove_layers(drafter: Drafter, drop: set[int] | list[int]) -> Drafter:

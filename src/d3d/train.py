@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from .data import Example, atomic_write_json
-from .drafter import Drafter
+from .drafter import Drafter, bypassed
 from .errors import D3DError
 
 
@@ -37,6 +37,7 @@ class TrainConfig:
     max_prompt_tokens: int = 64
     checkpoint_every: int = 25
     seed: int = 0
+    layer_drop: float = 0.0         # LayerDrop: skip each stack layer with this probability per step
 
 
 @dataclass
@@ -209,6 +210,19 @@ def vocab_map_for(model: Drafter) -> torch.Tensor:
     return m
 
 
+def dropped_layers(n: int, p: float, step: int, seed: int) -> set[int]:
+    """LayerDrop (Fan et al., 2019): the stack layers skipped at `step`, each with probability p, never all.
+    Training a drafter so makes it robust to losing any one layer, which is what `d3d prune` then exploits.
+    The draw depends only on (seed, step), so a resumed run and every accelerate process agree on it."""
+    if p <= 0:
+        return set()
+    rng = random.Random(seed * 7_919 + step)
+    drop = {i for i in range(n) if rng.random() < p}
+    if len(drop) == n:
+        drop.discard(rng.randrange(n))
+    return drop
+
+
 def trainable_parameters(model: Drafter) -> list[torch.nn.Parameter]:
     """The embedding and the LM head stay the target's (frozen); the stack, final norm and mask embedding train."""
     model.tok_embeddings.requires_grad_(False)
@@ -274,18 +288,23 @@ def train(model: Drafter, examples: list[Example], cfg: TrainConfig, run_dir: Pa
                         for f in fields(Batch)])
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
-        out = losses(core, batch, cfg, target)
+        drop = dropped_layers(len(core.layers), cfg.layer_drop, step, cfg.seed)
+        with bypassed(core, drop):
+            out = losses(core, batch, cfg, target)
         opt.zero_grad(set_to_none=True)
         out["loss"].backward()
         if acc.num_processes > 1:
             for p in params:
-                p.grad = acc.reduce(p.grad, reduction="mean")
+                if p.grad is not None:
+                    p.grad = acc.reduce(p.grad, reduction="mean")
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step += 1
         ntok = batch.tokens.numel()
         rec = {"step": step, **{k: round(float(v.detach()), 4) for k, v in out.items()}, "lr": lr_at(step - 1, cfg),
                "tok_s": round(ntok / (time.time() - t0), 1)}
+        if cfg.layer_drop > 0:
+            rec["dropped"] = sorted(drop)
         history.append(rec)
         bar.set_postfix(loss=rec["loss"], tau=rec.get("tau"), tok_s=rec["tok_s"])
         bar.update(1)
