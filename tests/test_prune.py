@@ -8,7 +8,8 @@ from test_drafter import TINY, TinyTokenizer
 
 from d3d.drafter import drafter_from_target
 from d3d.plots import plot_pruning
-from d3d.prune import bypassed, calibration_tau, prune, pruning_report, remove_layers
+from d3d.prune import bypassed, calibration_tau, heal_config, prune, pruning_report, remove_layers
+from d3d.train import TrainConfig
 from d3d.target import ModelArgs, Transformer
 
 THREE = ModelArgs(**{**TINY.__dict__, "n_layers": 3})
@@ -40,6 +41,16 @@ def test_bypassed_layer_equals_a_model_built_without_it():
     assert removed.cfg.init_layers == [0, 2] and removed.cfg.args["n_layers"] == 2
     assert torch.allclose(fresh_draft(removed, seq), expected, atol=1e-6)
     assert not torch.allclose(fresh_draft(full, seq), expected, atol=1e-3)  # the layer did matter
+
+
+def test_healing_continues_the_drafters_own_objective():
+    d = drafter_with([0, 1])
+    assert heal_config(d, 60, 2e-4) == TrainConfig(steps=60, lr=2e-4, warmup=0, checkpoint_every=10**9)
+    d.cfg.training = {"config": {**TrainConfig(gamma=2.0, ar_weight=0.3, batch_size=4, layer_drop=0.2,
+                                               steps=800, lr=1e-3).__dict__, "retired_field": 1}}
+    cfg = heal_config(d, 60, 2e-4)
+    assert (cfg.gamma, cfg.ar_weight, cfg.batch_size) == (2.0, 0.3, 4)
+    assert (cfg.steps, cfg.lr, cfg.warmup, cfg.layer_drop) == (60, 2e-4, 0, 0.0)
 
 
 def tiny_calibration():

@@ -307,8 +307,8 @@ def cmd_prune(args: argparse.Namespace) -> None:
     from .methods import default_drafter
     from .plots import plot_pruning
     from .prompts import CALIBRATION_SETS
-    from .prune import calibration_data, prune, pruning_report
-    from .train import TrainConfig, train
+    from .prune import calibration_data, heal_config, prune, pruning_report
+    from .train import train
 
     sets = [s.strip() for s in args.sets.split(",") if s.strip()]
     bad = [s for s in sets if s not in CALIBRATION_SETS]
@@ -334,8 +334,7 @@ def cmd_prune(args: argparse.Namespace) -> None:
 
         def heal(d):
             d.requires_grad_(True)
-            cfg = TrainConfig(steps=args.heal_steps, lr=args.heal_lr, warmup=0, checkpoint_every=10**9)
-            train(d, examples, cfg, run_dir / f"heal-{len(d.layers)}")
+            train(d, examples, heal_config(d, args.heal_steps, args.heal_lr), run_dir / f"heal-{len(d.layers)}")
             d.eval().requires_grad_(False)
 
     pruned, state = prune(drafter, calib, args.max_new_tokens, run_dir, keep_ratio=args.keep_ratio,

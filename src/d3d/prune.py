@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -25,6 +25,7 @@ from .data import atomic_write_json
 from .drafter import WEIGHTS_NAME, Drafter, bypassed, drafter_class, save_drafter
 from .estimate import mean_tau
 from .packed import keep_prefix, packed_draft
+from .train import TrainConfig
 
 Calibration = dict[str, tuple[list[list[int]], list[list[int]]]]  # set name -> (prompt ids, continuations)
 
@@ -93,6 +94,16 @@ def draft_times(drafter: Drafter, context: list[int], reps: int = 5) -> dict[str
         keep_prefix(drafter, len(context))
     return {"draft_ms": round(1000 * statistics.median(sync), 2),
             "packed_ms": round(1000 * statistics.median(packed), 2)}
+
+
+def heal_config(drafter: Drafter, steps: int, lr: float) -> TrainConfig:
+    """The fine-tune after a removal continues the drafter's own recorded objective (gamma, lambda, blocks,
+    batch size, seed), for `steps` at `lr` without warm-up or LayerDrop. A drafter with no record gets
+    TrainConfig's defaults."""
+    known = {f.name for f in fields(TrainConfig)}
+    recorded = {k: v for k, v in drafter.cfg.training.get("config", {}).items() if k in known}
+    return TrainConfig(**recorded | {"steps": steps, "lr": lr, "warmup": 0, "checkpoint_every": 10**9,
+                                     "layer_drop": 0.0})
 
 
 def prune(drafter: Drafter, calib: Calibration, max_new_tokens: int, run_dir: Path, keep_ratio: float = 0.99,
