@@ -16,9 +16,8 @@ import torch
 import d3d.engine
 from d3d.engine import generate
 from d3d.methods import make_runner
-from d3d.target import ModelArgs, Transformer
 from d3d.verify import SamplingParams, probs_from_logits, sample, verify
-from sampling_law import chi2_pvalue, exact_law
+from sampling_law import EOS, V, StubTokenizer, chi2_pvalue, draw, exact_law, tiny_model
 
 GREEDY = SamplingParams()
 MAX_NEW = 64
@@ -131,8 +130,6 @@ def test_eos_inside_an_accepted_block(smol, short_answer_ids):
 # --------------------------------------------------------------------------------------------
 # Sampling on a tiny random model
 
-V = 8
-EOS = 7
 PROMPT = [1, 2, 3]
 N_SAMPLES = 1500
 MAX_NEW_TINY = 4  # with BLOCK_TINY = 4 the first round drafts 2 tokens after the prefill's token
@@ -141,13 +138,6 @@ NOISE = 0.08  # the one-hot drafter's output-layer noise: it agrees with the tar
 TEMP = SamplingParams(temperature=0.8)
 TRUNCATED = SamplingParams(temperature=0.8, top_k=5, top_p=0.9)
 Q = torch.softmax(1.5 * torch.randn(V, generator=torch.Generator().manual_seed(1)), -1)  # a wrong draft law
-
-
-class StubTokenizer:
-    eos_token_id = EOS
-
-    def decode(self, ids):
-        return " ".join(map(str, ids))
 
 
 class SampledProposer:
@@ -188,18 +178,6 @@ class GreedyDrafter:
         return seq[len(tokens):], None
 
 
-def tiny_model(noise: float = 0.0) -> Transformer:
-    """The tiny target (same weights every time), or with `noise` added to its output layer: a drafter
-    that agrees with it only part of the time."""
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = Transformer(ModelArgs(vocab_size=V, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
-                                      intermediate_size=64, norm_eps=1e-5, rope_theta=10000, max_seq_len=64))
-        model.output.weight.data.add_(noise * torch.randn(model.output.weight.shape))
-    model.output.weight.data.mul_(2.5)  # peakier next-token laws, far from uniform
-    return model.eval().requires_grad_(False)
-
-
 @pytest.fixture(scope="module")
 def tiny():
     threads = torch.get_num_threads()
@@ -216,16 +194,14 @@ def proposers(tiny):
     return {"sampled_q": SampledProposer, "one_hot": lambda seed: drafter}
 
 
-def draw(model, params: SamplingParams, proposer=None) -> tuple[list[tuple[int, ...]], Counter]:
-    """N_SAMPLES independent outputs (seed i for sample i) and the histogram of acceptance lengths."""
-    outputs, rounds = [], Counter()
-    for i in range(N_SAMPLES):
-        p = SamplingParams(params.temperature, params.top_k, params.top_p, seed=i)
-        res = generate(model, StubTokenizer(), PROMPT, p, MAX_NEW_TINY, block_size=BLOCK_TINY,
-                       proposer=None if proposer is None else proposer(10**6 + i))
-        outputs.append(tuple(res.token_ids))
-        rounds.update(res.acceptance_lengths)
-    return outputs, rounds
+def spec_draw(model, params: SamplingParams, proposer=None) -> tuple[list[tuple[int, ...]], Counter]:
+    """N_SAMPLES outputs of synchronous speculative sampling (plain sampling without a proposer); sample i
+    uses seed i and a proposer made with seed 10**6 + i."""
+    def run(p):
+        prop = None if proposer is None else proposer(10**6 + p.seed)
+        return generate(model, StubTokenizer(), PROMPT, p, MAX_NEW_TINY, block_size=BLOCK_TINY, proposer=prop)
+
+    return draw(run, params, N_SAMPLES)
 
 
 def accept_every_draft(draft, target_logits, params, generator, draft_probs=None):
@@ -247,7 +223,7 @@ def test_exact_distribution_is_a_distribution(tiny):
 
 
 def test_plain_sampling_matches_exact_distribution(tiny):
-    samples, _ = draw(tiny, TEMP)
+    samples, _ = spec_draw(tiny, TEMP)
     assert chi2_pvalue(samples, exact_law(tiny, PROMPT, TEMP, MAX_NEW_TINY, EOS)) > 1e-3
 
 
@@ -255,7 +231,7 @@ def test_plain_sampling_matches_exact_distribution(tiny):
 @pytest.mark.parametrize("kind", ["sampled_q", "one_hot"])
 def test_speculative_sampling_is_lossless(tiny, proposers, params, kind):
     dist = exact_law(tiny, PROMPT, params, MAX_NEW_TINY, EOS)
-    samples, rounds = draw(tiny, params, proposers[kind])
+    samples, rounds = spec_draw(tiny, params, proposers[kind])
     assert set(samples) <= set(dist)  # never a token that top-k / top-p removed
     assert rounds[1] > 100 and rounds[3] > 50  # both rejections and fully accepted blocks + bonus occur
     assert chi2_pvalue(samples, dist) > 1e-3
@@ -265,5 +241,50 @@ def test_speculative_sampling_is_lossless(tiny, proposers, params, kind):
 @pytest.mark.parametrize("kind", ["sampled_q", "one_hot"])
 def test_the_statistic_catches_a_broken_rule(tiny, proposers, monkeypatch, broken, kind):
     monkeypatch.setattr(d3d.engine, "verify", broken)
-    samples, _ = draw(tiny, TEMP, proposers[kind])
+    samples, _ = spec_draw(tiny, TEMP, proposers[kind])
     assert chi2_pvalue(samples, exact_law(tiny, PROMPT, TEMP, MAX_NEW_TINY, EOS)) < 1e-6
+
+
+# --------------------------------------------------------------------------------------------
+# Every speculative method, on the tiny target with an untrained D3D drafter copied from it
+# (d3d-tree with top-k + top-p, and a broken tree rule, are in test_tree.py)
+
+PROMPT_ALL = [1, 2, 3, 1, 2]  # a repeat, so that n-gram lookup finds matches
+FIRST = 4                     # the law of the first 4 tokens ...
+MAX_NEW_ALL = 6               # ... of generations long enough for several rounds (packed blocks, trees)
+N_ALL = 1200
+ASYNC_OPTIONS = {"d3d-async": {}, "d3d-async max_candidates=2": {"max_candidates": 2},
+                 "d3d-async successor_slots=2": {"successor_slots": 2}, "d3d-async head_all": {"head_all": True}}
+CASES = [("ngram", TRUNCATED), ("d3d", TEMP), ("d3d", TRUNCATED), ("d3d-tree", TEMP)] + \
+    [(name, TRUNCATED) for name in ASYNC_OPTIONS]
+
+
+def method_runner(method: str, target, drafter):
+    """params -> result of `method` on PROMPT_ALL (d3d-async without overlap: the same computation)."""
+    from d3d.async_engine import generate_async
+    from d3d.drafter import D3DProposer
+    from d3d.ngram import NgramProposer
+    from d3d.tree import TreeProposer, generate_tree
+
+    tok = StubTokenizer()
+    if method in ASYNC_OPTIONS:
+        return lambda p: generate_async(target, tok, PROMPT_ALL, p, MAX_NEW_ALL, drafter=drafter, overlap=False,
+                                        **ASYNC_OPTIONS[method])
+    if method == "d3d-tree":
+        tree = TreeProposer(D3DProposer(drafter, V, max_len=64), budget=8)
+        return lambda p: generate_tree(target, tok, PROMPT_ALL, p, MAX_NEW_ALL, proposer=tree, max_depth=3)
+    proposer = NgramProposer() if method == "ngram" else D3DProposer(drafter, V, max_len=64)
+    return lambda p: generate(target, tok, PROMPT_ALL, p, MAX_NEW_ALL, proposer=proposer, block_size=BLOCK_TINY)
+
+
+@pytest.mark.parametrize("method,params", CASES,
+                         ids=[f"{m}-{'temperature' if p is TEMP else 'top_k+top_p'}" for m, p in CASES])
+def test_every_speculative_method_keeps_the_law(tiny, method, params):
+    from sampling_law import tiny_drafter
+
+    run = method_runner(method, tiny, tiny_drafter(tiny_model(noise=NOISE), BLOCK_TINY))
+    samples, rounds = draw(run, params, N_ALL, FIRST)
+    dist = exact_law(tiny, PROMPT_ALL, params, FIRST, EOS)
+    assert set(samples) <= set(dist)
+    assert sum(n for length, n in rounds.items() if length > 1) > 100  # drafts really were accepted
+    assert chi2_pvalue(samples, dist) > 1e-3

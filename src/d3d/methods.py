@@ -13,7 +13,7 @@ from .engine import GenerationResult, generate
 from .ngram import NgramProposer
 from .target import D3DError
 
-METHODS = ("ar", "ngram", "ar-draft", "dflash", "d3d", "d3d-async", "hf", "hf-lookup")
+METHODS = ("ar", "ngram", "ar-draft", "dflash", "d3d", "d3d-async", "hf", "hf-lookup", "d3d-tree")
 # baselines' drafters ship beside the D3D one, under the target's name + this suffix
 BASELINE_SUFFIX = {"ar-draft": "-ar", "dflash": "-dflash"}
 DEFAULT_DRAFTERS = Path(__file__).parent / "assets" / "drafters"
@@ -23,8 +23,9 @@ Runner = Callable[..., GenerationResult]
 
 
 def make_runner(method: str, model, tokenizer, model_dir: Path, drafter: str | Path | None = None,
-                block_size: int = 16, draft_device: str | None = None) -> Runner:
-    """A function (prompt_ids, params=..., max_new_tokens=..., stop=...) -> GenerationResult."""
+                block_size: int = 16, draft_device: str | None = None, tree_budget: int | None = None) -> Runner:
+    """A function (prompt_ids, params=..., max_new_tokens=..., stop=...) -> GenerationResult.
+    tree_budget: tokens per verified tree for d3d-tree (None = chosen from this device's cost curve)."""
     if method == "ar":
         return partial(generate, model, tokenizer)
     if method == "ngram":
@@ -34,6 +35,13 @@ def make_runner(method: str, model, tokenizer, model_dir: Path, drafter: str | P
         d = _d3d_kind(load_drafter(path, model, tokenizer, device=_device_of(model)))
         proposer = D3DProposer(d, model.args.vocab_size, max_len=model.args.max_seq_len)
         return partial(generate, model, tokenizer, proposer=proposer, block_size=d.block_size)
+    if method == "d3d-tree":
+        from .tree import TreeProposer, auto_budget, generate_tree
+
+        d = _d3d_kind(load_drafter(path, model, tokenizer, device=_device_of(model)))
+        proposer = D3DProposer(d, model.args.vocab_size, max_len=model.args.max_seq_len)
+        tree = TreeProposer(proposer, tree_budget or auto_budget(model, d.block_size))
+        return partial(generate_tree, model, tokenizer, proposer=tree, max_depth=d.block_size - 1)
     if method in BASELINE_SUFFIX:
         from .ardraft import ARDraftProposer
         from .dflash import DFlashProposer
@@ -59,7 +67,7 @@ def make_runner(method: str, model, tokenizer, model_dir: Path, drafter: str | P
 def drafter_path(method: str, model_dir: Path, drafter: str | Path | None = None) -> Path | None:
     """The checkpoint `method` drafts with: `drafter` if given, else the one shipped for the target; None
     for methods without a learned drafter."""
-    if method in ("d3d", "d3d-async"):
+    if method in ("d3d", "d3d-async", "d3d-tree"):
         return Path(drafter) if drafter else default_drafter(model_dir)
     if method in BASELINE_SUFFIX:
         return Path(drafter) if drafter else default_drafter(model_dir, BASELINE_SUFFIX[method])

@@ -1,0 +1,437 @@
+"""Token-tree verification: several candidates (the D3D drafter's block, its alternatives, n-gram matches)
+checked by one target forward.
+
+A round builds a trie rooted at the pending token (the last verified token, not yet in the target's
+cache). Every proposer adds paths to it; shared prefixes merge. Each node gets a score, an estimate of
+the probability that verification reaches it, and the `budget` best nodes (root included) are fed to the
+target in one forward: node i sits at position cache_len + depth(i) and attends to the cached prefix and
+to its own ancestors only, so its logits equal those of its branch run alone. Verification walks down
+from the root, and the KV rows of the accepted path are then copied into consecutive cache slots
+(O(accepted) copies, nothing recomputed).
+
+Losslessness. Greedy: at each node the target's argmax is taken and the walk descends into the child
+holding it, if any, so the output is plain decoding's. Sampling: multi-candidate recursive rejection
+sampling over the node's candidates (SpecInfer; multi-draft speculative sampling): candidate x_i with
+proposal law q_i (one-hot for deterministic candidates) is accepted with probability
+min(1, r(x_i) / q_i(x_i)), where r starts as the target's law p and becomes norm(max(0, r - q_i)) after
+each rejection; when all are rejected the token is drawn from r. The emitted token then has law p
+exactly, provided each sampled candidate is drawn from its q independently of the target's draws and
+of everything that decided whether and where it is placed. That holds here: the drafter's slot-j token is
+sampled once from q_j (which depends on the verified text only), sits only at depth j, comes first among
+its node's candidates, and node scores use the slot's largest probability, never the sampled token's.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .drafter import D3DProposer, sample_draft
+from .engine import GenerationResult, StopChecker, commit_round, sync_device, validate_request
+from .target import D3DError, cache_dir
+from .verify import SamplingParams, make_generator, next_token, probs_from_logits, sample
+
+WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+NGRAM_CONFIDENCE = {1: 0.35, 2: 0.55, 3: 0.7}  # guessed per-token acceptance of an n-gram match of length n
+ALT_TAIL_DISCOUNT = 0.5  # drafter tokens after an alternative were drafted for the other branch
+
+
+# --------------------------------------------------------------------------------------------
+# The tree
+
+
+@dataclass
+class Candidate:
+    """A proposal for the token after a node: `law` is the distribution it was sampled from (None =
+    deterministic, i.e. one-hot); `child` is the node it leads to."""
+
+    token: int
+    law: torch.Tensor | None
+    child: int
+
+
+@dataclass
+class TokenTree:
+    """A flattened token tree, parents before children; node 0 is the root (the pending token)."""
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    sources: list[set[str]]
+    cands: list[list[Candidate]]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def path_to(self, node: int) -> list[int]:
+        """Nodes from the root's child down to `node` (empty for the root)."""
+        path = []
+        while node > 0:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+
+@dataclass
+class _Node:
+    token: int
+    parent: int
+    depth: int
+    score: float
+    sources: set[str]
+    children: dict[int, int] = field(default_factory=dict)
+    cands: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
+
+
+class TreeDraft:
+    """The trie the proposers fill; `select` keeps the best nodes under a budget."""
+
+    def __init__(self, root: int):
+        self.nodes = [_Node(root, -1, 0, 1.0, {"root"})]
+
+    def add(self, path: list[int], factors: list[float], source: str, start: int = 0,
+            laws: list[torch.Tensor | None] | None = None) -> list[int]:
+        """Add `path` below node `start`; factors[i] estimates the chance that token i is accepted once
+        its parent is reached; laws[i] is the law token i was sampled from (None = deterministic).
+        A sampled candidate goes first among its node's candidates. Returns the nodes of the path."""
+        node, out, reach = start, [], self.nodes[start].score
+        for i, tok in enumerate(path):
+            law = laws[i] if laws is not None else None
+            parent = self.nodes[node]
+            reach *= factors[i]
+            entry = (tok, law)
+            if law is not None:
+                if not any(c[1] is law for c in parent.cands):
+                    parent.cands.insert(0, entry)
+            elif entry not in [(t, q) for t, q in parent.cands if q is None]:
+                parent.cands.append(entry)
+            child = parent.children.get(tok)
+            if child is None:
+                child = len(self.nodes)
+                parent.children[tok] = child
+                self.nodes.append(_Node(tok, node, parent.depth + 1, reach, {source}))
+            else:
+                self.nodes[child].score = max(self.nodes[child].score, reach)
+                self.nodes[child].sources.add(source)
+            node = child
+            reach = self.nodes[node].score
+            out.append(node)
+        return out
+
+    def select(self, budget: int, max_depth: int) -> TokenTree:
+        """The `budget` best nodes (root included, none deeper than max_depth) as a flat tree. A child never
+        scores above its parent and ties go to the shallower node, so the kept set is ancestor-closed."""
+        for n in self.nodes[1:]:
+            n.score = min(n.score, self.nodes[n.parent].score)
+        order = sorted(range(1, len(self.nodes)), key=lambda i: (-self.nodes[i].score, self.nodes[i].depth, i))
+        kept = [0] + [i for i in order if self.nodes[i].depth <= max_depth][:max(0, budget - 1)]
+        flat = {old: new for new, old in enumerate(kept)}
+        cands = []
+        for old in kept:
+            node = self.nodes[old]
+            cands.append([Candidate(t, q, flat[node.children[t]]) for t, q in node.cands
+                          if node.children[t] in flat])
+        return TokenTree(tokens=[self.nodes[i].token for i in kept],
+                         parents=[flat[self.nodes[i].parent] if i else -1 for i in kept],
+                         depths=[self.nodes[i].depth for i in kept],
+                         sources=[self.nodes[i].sources for i in kept], cands=cands)
+
+
+# --------------------------------------------------------------------------------------------
+# Target forward over a tree, verification, cache compaction
+
+
+def tree_mask(parents: list[int], cache_len: int, device=None) -> torch.Tensor:
+    """Bool attention mask [1, 1, T, cache_len + T]: every node sees the cached prefix, itself and its
+    ancestors (parents must come before children)."""
+    T = len(parents)
+    anc = torch.zeros(T, T, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            anc[i] = anc[p]
+        anc[i, i] = True
+    mask = torch.cat([torch.ones(T, cache_len, dtype=torch.bool), anc], dim=1)
+    return mask[None, None].to(device)
+
+
+def tree_positions(depths: list[int], cache_len: int, device=None) -> torch.Tensor:
+    return (cache_len + torch.tensor(depths, dtype=torch.long)).to(device)
+
+
+def tree_logits(model, tree: TokenTree) -> torch.Tensor:
+    """Feed the tree after the target's cache; returns its logits [T, V]. The cache then holds the
+    tree's K/V in slots cache_len .. cache_len + T - 1, in tree order (see compact_cache)."""
+    device = model.output.weight.device
+    L = model.cache_len
+    feed = torch.tensor([tree.tokens], device=device)
+    return model(feed, mask=tree_mask(tree.parents, L, device), positions=tree_positions(tree.depths, L, device))[0]
+
+
+def compact_cache(model, base: int, path: list[int]) -> None:
+    """Keep the root (slot `base`) and the accepted path's K/V rows, moved into consecutive slots
+    base + 1 .. base + len(path), then set the cache length. `path` holds increasing tree indices, so no
+    row is overwritten before it is read."""
+    if path:
+        device = model.output.weight.device
+        src = torch.tensor(path, device=device) + base
+        dst = torch.arange(base + 1, base + 1 + len(path), device=device)
+        if not torch.equal(src, dst):
+            for layer in model.layers:
+                att = layer.attention
+                att.k_cache[:, :, dst] = att.k_cache[:, :, src]
+                att.v_cache[:, :, dst] = att.v_cache[:, :, src]
+    model.rollback(base + 1 + len(path))
+
+
+def verify_tree(tree: TokenTree, logits: torch.Tensor, params: SamplingParams,
+                generator: torch.Generator) -> tuple[list[int], int]:
+    """Walk the tree from the root: (accepted nodes, next token). logits: [len(tree), V], row i scores
+    the token after node i."""
+    path, node = [], 0
+    while True:
+        child, token = _choose(tree.cands[node], logits[node], params, generator)
+        if child is None:
+            return path, token
+        path.append(child)
+        node = child
+
+
+def _choose(cands: list[Candidate], row: torch.Tensor, params: SamplingParams,
+            generator: torch.Generator) -> tuple[int | None, int]:
+    """One step of the walk: (child to descend into or None, the token emitted at this step)."""
+    if params.greedy:
+        token = int(row.argmax())
+        return next((c.child for c in cands if c.token == token), None), token
+    r = probs_from_logits(row, params)
+    for c in cands:
+        qx = 1.0 if c.law is None else float(c.law[c.token])
+        if qx > 0 and float(torch.rand(1, generator=generator, device=r.device)) * qx < float(r[c.token]):
+            return c.child, c.token
+        r = _residual(r, c)
+    return None, sample(r, generator)
+
+
+def _residual(r: torch.Tensor, c: Candidate) -> torch.Tensor:
+    """norm(max(0, r - q)) after candidate c is rejected (q one-hot on c.token when deterministic); r
+    itself if rounding left nothing (then c could not have been rejected in exact arithmetic)."""
+    if c.law is None:
+        rest = r.clone()
+        rest[c.token] = 0.0
+    else:
+        rest = (r - c.law.to(r.dtype)).clamp(min=0)
+    total = float(rest.sum())
+    return rest / total if total > 0 else r
+
+
+# --------------------------------------------------------------------------------------------
+# Proposers
+
+
+def ngram_continuations(tokens: list[int], k: int, max_matches: int = 4, max_ngram: int = 3,
+                        min_ngram: int = 1) -> list[tuple[int, list[int]]]:
+    """Up to `max_matches` distinct continuations (n, next <= k tokens) of earlier occurrences of the
+    text's last n tokens: longest n first, latest occurrence first."""
+    L, out, seen = len(tokens), [], set()
+    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
+        suffix = tokens[L - n:]
+        for start in range(L - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                follow = tuple(tokens[start + n:start + n + k])
+                if follow and follow not in seen:
+                    seen.add(follow)
+                    out.append((n, list(follow)))
+                    if len(out) >= max_matches:
+                        return out
+    return out
+
+
+@dataclass
+class SlotBlock:
+    """The drafter's block: its tokens, their laws (None when greedy), and per slot the best tokens
+    with their drafter probabilities (for alternatives and scores)."""
+
+    tokens: list[int]
+    laws: list[torch.Tensor | None]
+    top_tokens: list[list[int]]
+    top_probs: list[list[float]]
+
+
+def d3d_block(proposer: D3DProposer, tokens: list[int], k: int, params: SamplingParams, top: int) -> SlotBlock:
+    """One synchronous D3D draft after `tokens`, with the `top` best tokens of each slot."""
+    d = proposer.drafter
+    logits = d.draft_block(tokens)[:k]
+    drafts, q = sample_draft(d, logits, params, proposer.vocab_size, proposer.generator)
+    probs = torch.softmax(logits.float() / (params.temperature if not params.greedy else 1.0), -1)
+    values, index = probs.topk(min(top, probs.shape[-1]), -1)
+    laws = [None] * len(drafts) if q is None else list(q)
+    return SlotBlock(drafts, laws, d.draft_ids[index].tolist(), values.tolist())
+
+
+class TreeProposer:
+    """Builds each round's token tree from the D3D drafter (its block and, at every slot, its next best
+    tokens followed by a few of the block's later tokens) and n-gram matches, under a token budget."""
+
+    name = "d3d-tree"
+
+    def __init__(self, drafter: D3DProposer | None, budget: int = 32, alternatives: int = 2, alt_tail: int = 3,
+                 ngram_matches: int = 4, max_ngram: int = 3):
+        if budget < 1:
+            raise D3DError(f"tree budget must be >= 1 (got {budget})")
+        self.d3d, self.budget, self.alternatives, self.alt_tail = drafter, budget, alternatives, alt_tail
+        self.ngram_matches, self.max_ngram = ngram_matches, max_ngram
+        self.params = SamplingParams()
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        if self.d3d is not None:
+            self.d3d.params = self.params
+            self.d3d.reset(prompt_ids)
+
+    def build(self, tokens: list[int], k: int) -> TokenTree:
+        """The tree for the round after `tokens` (ending with the pending token), at most k deep."""
+        draft = TreeDraft(tokens[-1])
+        if k > 0 and self.d3d is not None:
+            self._add_drafter(draft, d3d_block(self.d3d, tokens, k, self.params, self.alternatives + 1))
+        if k > 0:
+            for n, follow in ngram_continuations(tokens, k, self.ngram_matches, self.max_ngram):
+                conf = NGRAM_CONFIDENCE[min(n, max(NGRAM_CONFIDENCE))]
+                draft.add(follow, [conf] * len(follow), "ngram")
+        return draft.select(self.budget, k)
+
+    def _add_drafter(self, draft: TreeDraft, block: SlotBlock) -> None:
+        conf = [p[0] for p in block.top_probs]  # the slot's largest probability, never the sampled token's
+        chain = draft.add(block.tokens, conf, "d3d", laws=block.laws)
+        for j in range(len(block.tokens)):
+            parent = chain[j - 1] if j else 0
+            alts = [(t, p) for t, p in zip(block.top_tokens[j], block.top_probs[j]) if t != block.tokens[j]]
+            tail = slice(j + 1, j + 1 + self.alt_tail)
+            for t, p in alts[:self.alternatives]:
+                factors = [p] + [c * ALT_TAIL_DISCOUNT for c in conf[tail]]
+                draft.add([t] + block.tokens[tail], factors, "alt", start=parent, laws=[None] + block.laws[tail])
+
+
+# --------------------------------------------------------------------------------------------
+# The decoding loop
+
+
+@dataclass
+class TreeGenerationResult(GenerationResult):
+    """GenerationResult plus, per round, the tree's size and which proposers the accepted path came from
+    (`branches`: "d3d", "alt", "ngram", joined with "+" when merged; "" when no draft was accepted)."""
+
+    tree_sizes: list[int] = field(default_factory=list)
+    branches: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        counts: dict[str, int] = {}
+        for b in self.branches:
+            counts[b or "none"] = counts.get(b or "none", 0) + 1
+        mean = sum(self.tree_sizes) / max(1, len(self.tree_sizes))
+        return super().to_json() | {"mean_tree_tokens": round(mean, 2), "accepted_branches": counts}
+
+
+def _branch(tree: TokenTree, path: list[int]) -> str:
+    return "+".join(sorted(tree.sources[path[-1]])) if path else ""
+
+
+@torch.no_grad()
+def generate_tree(model, tokenizer, prompt_ids: list[int], params: SamplingParams | None = None,
+                  max_new_tokens: int = 128, proposer: TreeProposer | None = None, max_depth: int = 15,
+                  stop: list[str] | None = None, on_round=None, logprobs=None) -> TreeGenerationResult:
+    """Speculative decoding with one token tree verified per target forward (at most `max_depth` drafts
+    deep). on_round, logprobs: as in d3d.engine.generate."""
+    if proposer is None:
+        raise D3DError("generate_tree needs a TreeProposer")
+    params = params or SamplingParams()
+    validate_request(model, prompt_ids, max_new_tokens, max(max_depth + 1, proposer.budget))
+    device = model.output.weight.device
+    gen = make_generator(params, device)
+    stopper = StopChecker(tokenizer, {tokenizer.eos_token_id}, max_new_tokens, stop)
+    res = TreeGenerationResult(prompt_ids=list(prompt_ids))
+    model.setup_cache(1, len(prompt_ids) + max_new_tokens + max(max_depth + 1, proposer.budget) + 1)
+    proposer.params = params
+    proposer.reset(list(prompt_ids))
+
+    t0 = time.perf_counter()
+    logits = model(torch.tensor([prompt_ids], device=device), last_only=True)
+    first = next_token(logits[0, -1], params, gen)
+    sync_device(device)
+    t1 = time.perf_counter()
+    res.prefill_s = t1 - t0
+    tokens = list(prompt_ids) + [first]
+    chunk, reason = stopper.clip([], [first])
+    res.token_ids = chunk
+    if logprobs is not None:
+        logprobs.add(logits[0, -1:], chunk)
+    if on_round is not None:
+        on_round(chunk, 0)
+    while reason is None:
+        k = min(max_depth, max_new_tokens - len(res.token_ids) - 1)
+        tree = proposer.build(tokens, k)
+        base = len(tokens) - 1
+        logits = tree_logits(model, tree)
+        path, nxt = verify_tree(tree, logits, params, gen)
+        compact_cache(model, base, path)
+        chunk = [tree.tokens[i] for i in path] + [nxt]
+        res.acceptance_lengths.append(len(path) + 1)
+        res.tree_sizes.append(len(tree))
+        res.branches.append(_branch(tree, path))
+        extra = {} if logprobs is None else {"logprobs": logprobs, "rows": logits[[0] + path]}
+        reason = commit_round(res, stopper, tokens, chunk, on_round, **extra)
+    sync_device(device)
+    res.decode_s = time.perf_counter() - t1
+    res.finish_reason = reason
+    res.logprobs = None if logprobs is None else logprobs.entries
+    res.text = stopper.final_text(res.token_ids)
+    return res
+
+
+# --------------------------------------------------------------------------------------------
+# The tree budget: from the measured cost of a target forward versus its width
+
+
+@torch.no_grad()
+def width_cost_curve(model, widths: tuple[int, ...] = WIDTHS, context: int = 256, repeats: int = 3) -> dict[int, float]:
+    """Median seconds of one target forward feeding `width` tokens after a cache of `context` tokens, for
+    each width. Every forward is rolled back, so the cache only ever holds the context."""
+    device = model.output.weight.device
+    model.setup_cache(1, context + max(widths) + 1)
+    model(torch.zeros(1, context, dtype=torch.long, device=device))
+    curve = {}
+    for w in widths:
+        feed = torch.zeros(1, w, dtype=torch.long, device=device)
+        times = []
+        for _ in range(repeats + 1):  # the first run warms up
+            t0 = time.perf_counter()
+            model(feed)
+            sync_device(device)
+            times.append(time.perf_counter() - t0)
+            model.rollback(context)
+        curve[w] = statistics.median(times[1:])
+    return curve
+
+
+def choose_budget(curve: dict[int, float], base: int = 16, max_ratio: float = 1.25) -> int:
+    """The widest measured forward that costs at most `max_ratio` times a plain block of `base` tokens:
+    beyond it, extra candidates would have to raise tau by more than the forward's extra cost."""
+    if base not in curve:
+        raise D3DError(f"the cost curve has no width {base}")
+    limit = max_ratio * curve[base]
+    return max(w for w, s in curve.items() if w <= base or s <= limit)
+
+
+def auto_budget(model, base: int = 16) -> int:
+    """choose_budget on this device's curve, measured once per (device, threads, model shape) and kept
+    in the d3d cache folder (width_cost.json)."""
+    p = next(model.parameters())
+    a = model.args
+    key = f"{p.device}|{p.dtype}|threads={torch.get_num_threads()}|{a.n_layers}x{a.dim}|vocab={a.vocab_size}"
+    path = cache_dir() / "width_cost.json"
+    known = json.loads(path.read_text()) if path.exists() else {}
+    if key not in known:
+        known[key] = {str(w): s for w, s in width_cost_curve(model).items()}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(known, indent=1) + "\n")
+    return choose_budget({int(w): s for w, s in known[key].items()}, base)

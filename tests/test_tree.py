@@ -1,0 +1,202 @@
+"""Token-tree verification (d3d.tree): the tree forward equals each branch run alone, cache compaction
+keeps exactly the accepted path, greedy output is plain decoding's on real prompts, and the
+multi-candidate sampling rule keeps the target's law (a broken rule is caught)."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+import d3d.tree
+from d3d.drafter import D3DProposer
+from d3d.engine import generate
+from d3d.methods import make_runner
+from d3d.tree import (Candidate, TokenTree, TreeDraft, TreeProposer, choose_budget, compact_cache,
+                      generate_tree, ngram_continuations, tree_logits, tree_mask, tree_positions, verify_tree)
+from d3d.verify import SamplingParams, probs_from_logits, sample
+from sampling_law import EOS, V, StubTokenizer, chi2_pvalue, draw, exact_law, tiny_drafter, tiny_model
+
+GREEDY = SamplingParams()
+CONTEXT = [1, 2, 3, 4, 5, 1, 2]
+BRANCHES = [[3, 4, 5], [3, 6], [6, 0, 1, 2], [5]]  # shared prefixes merge: 3 -> {4, 6}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield tiny_model()
+    torch.set_num_threads(threads)
+
+
+def branch_tree(root: int) -> TokenTree:
+    draft = TreeDraft(root)
+    for i, b in enumerate(BRANCHES):
+        draft.add(b, [0.9 - 0.1 * i] * len(b), "test")
+    return draft.select(budget=100, max_depth=10)
+
+
+def alone(model, tokens: list[int]) -> torch.Tensor:
+    """Logits of the last token of `tokens`, run causally from scratch."""
+    model.setup_cache(1, 64)
+    return model(torch.tensor([tokens]))[0, -1]
+
+
+def test_tree_layout():
+    tree = branch_tree(root=2)
+    assert len(tree) == 1 + 9  # 12 branch tokens, 3 of them in the shared prefix [3]
+    assert all(p < i for i, p in enumerate(tree.parents) if i)  # parents before children
+    leaves = [i for i in range(len(tree)) if i not in tree.parents]
+    assert sorted([tree.tokens[j] for j in tree.path_to(i)] for i in leaves) == sorted(BRANCHES)
+    assert [c.token for c in tree.cands[0]] == [3, 6, 5]
+    three = tree.cands[0][0].child
+    assert [c.token for c in tree.cands[three]] == [4, 6]
+    mask = tree_mask(tree.parents, 3)[0, 0]
+    assert mask.shape == (10, 13) and mask[:, :3].all()
+    for i in range(len(tree)):
+        assert torch.nonzero(mask[i, 3:]).flatten().tolist() == sorted([0] + tree.path_to(i))
+    assert tree_positions(tree.depths, 3).tolist() == [3 + d for d in tree.depths]
+    assert tree.depths == [len(tree.path_to(i)) for i in range(len(tree))]
+
+
+def test_budget_keeps_the_best_ancestor_closed_nodes():
+    draft = TreeDraft(0)
+    for i, b in enumerate(BRANCHES):
+        draft.add(b, [0.9 - 0.1 * i] * len(b), "test")
+    small = draft.select(budget=5, max_depth=2)
+    assert len(small) == 5 and max(small.depths) <= 2
+    assert [small.tokens[j] for j in small.path_to(2)] == [3, 4]  # 0.9, 0.81, then 0.72 and 0.7
+    assert sorted(c.token for c in small.cands[0]) == [3, 6]  # the root's 5 (score 0.6) was cut
+
+
+def test_tree_forward_equals_each_branch_alone(tiny):
+    tiny.setup_cache(1, 64)
+    tiny(torch.tensor([CONTEXT[:-1]]))
+    tree = branch_tree(CONTEXT[-1])
+    logits = tree_logits(tiny, tree)
+    for node in range(len(tree)):
+        path = [tree.tokens[i] for i in tree.path_to(node)]
+        torch.testing.assert_close(logits[node], alone(tiny, CONTEXT + path), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("leaf", [0, 3, 5, 9])
+def test_compaction_keeps_exactly_the_accepted_path(tiny, leaf):
+    base = len(CONTEXT) - 1
+    tiny.setup_cache(1, 64)
+    tiny(torch.tensor([CONTEXT[:-1]]))
+    tree = branch_tree(CONTEXT[-1])
+    tree_logits(tiny, tree)
+    path = tree.path_to(leaf)
+    compact_cache(tiny, base, path)
+    assert tiny.cache_len == base + 1 + len(path)
+    text = CONTEXT + [tree.tokens[i] for i in path]
+    kept = [(layer.attention.k_cache[0, :, :len(text)].clone(), layer.attention.v_cache[0, :, :len(text)].clone())
+            for layer in tiny.layers]
+    after = tiny(torch.tensor([[7, 1]]))[0, -1]  # two more tokens on the compacted cache
+    torch.testing.assert_close(after, alone(tiny, text + [7, 1]), atol=1e-5, rtol=1e-5)
+    alone(tiny, text)
+    for layer, (k, v) in zip(tiny.layers, kept):  # the same K/V rows as a fresh prefill of the same text
+        torch.testing.assert_close(k, layer.attention.k_cache[0, :, :len(text)], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, layer.attention.v_cache[0, :, :len(text)], atol=1e-5, rtol=1e-5)
+
+
+def test_ngram_continuations_longest_first():
+    tokens = [5, 1, 2, 3, 9, 1, 2, 3, 8, 7, 2, 3, 6, 3]
+    assert ngram_continuations(tokens, 2, max_matches=3) == [(1, [6, 3]), (1, [8, 7]), (1, [9, 1])]
+    tokens = [1, 2, 3, 4, 0, 2, 3, 5, 1, 2, 3]
+    assert ngram_continuations(tokens, 2, max_matches=3) == [(3, [4, 0]), (2, [5, 1])]  # no duplicate
+
+
+def test_choose_budget_from_the_cost_curve():
+    curve = {1: 0.05, 2: 0.05, 4: 0.06, 8: 0.07, 16: 0.09, 32: 0.105, 64: 0.2}
+    assert choose_budget(curve) == 32
+    assert choose_budget(curve, max_ratio=1.1) == 16
+    assert choose_budget({w: float(w) for w in curve}) == 16  # compute-bound: no wider than a block
+
+
+# --------------------------------------------------------------------------------------------
+# Greedy identity on the real target with the shipped drafter
+
+
+def test_greedy_equals_plain_decoding_on_real_prompts(smol, prompt_ids, short_answer_ids):
+    model, tok, model_dir = smol
+    tree = make_runner("d3d-tree", model, tok, model_dir, tree_budget=24)
+    branches = Counter()
+    for ids in prompt_ids[:1] + prompt_ids[-1:]:
+        ar = generate(model, tok, ids, GREEDY, 32)
+        res = tree(ids, params=GREEDY, max_new_tokens=32)
+        assert res.token_ids == ar.token_ids and res.text == ar.text
+        assert sum(res.acceptance_lengths) == 31 and max(res.tree_sizes) <= 24
+        branches.update(res.branches)
+    assert max(branches.values()) < sum(branches.values())  # accepted paths from several sources
+    ar = generate(model, tok, short_answer_ids, GREEDY, 32)
+    res = tree(short_answer_ids, params=GREEDY, max_new_tokens=32, stop=None)
+    assert res.token_ids == ar.token_ids and res.finish_reason == ar.finish_reason == "eos"
+    res = tree(prompt_ids[0], params=GREEDY, max_new_tokens=5)
+    assert res.token_ids == generate(model, tok, prompt_ids[0], GREEDY, 5).token_ids
+
+
+# --------------------------------------------------------------------------------------------
+# The multi-candidate rule keeps the target's law
+
+
+ROW = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0])
+LAW = torch.softmax(torch.tensor([0.0, 2.0, 1.0, 1.5, 0.0, 0.0, 0.0, 0.0]), -1)  # a sampled candidate's q
+
+
+def no_residual_update(cands, row, params, generator):
+    """Broken: every sibling is tested against the target's law p itself, as if it were the only one."""
+    p = probs_from_logits(row, params)
+    for c in cands:
+        qx = 1.0 if c.law is None else float(c.law[c.token])
+        if float(torch.rand(1, generator=generator)) * qx < float(p[c.token]):
+            return c.child, c.token
+    return None, sample(p, generator)
+
+
+def node_outcomes(choose, params: SamplingParams, n: int) -> list[tuple[int]]:
+    """n draws of one node with a sampled candidate (from LAW) then two deterministic siblings."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        x = int(torch.multinomial(LAW, 1, generator=g))
+        cands = [Candidate(x, LAW, 1)] + [Candidate(t, None, 2 + i) for i, t in enumerate((1, 2)) if t != x]
+        out.append((choose(cands, ROW, params, g)[1],))
+    return out
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=4,
+                                                                                       top_p=0.8)])
+def test_one_node_emits_the_target_law(params):
+    law = probs_from_logits(ROW, params).double().tolist()
+    dist = {(t,): p for t, p in enumerate(law) if p > 0}
+    assert chi2_pvalue(node_outcomes(d3d.tree._choose, params, 12000), dist) > 1e-3
+    assert chi2_pvalue(node_outcomes(no_residual_update, params, 12000), dist) < 1e-6
+
+
+def tree_run(target, proposer):
+    return lambda p: generate_tree(target, StubTokenizer(), [1, 2, 3, 1, 2], p, 6, proposer=proposer, max_depth=3)
+
+
+@pytest.fixture(scope="module")
+def tree_proposer(tiny):
+    return TreeProposer(D3DProposer(tiny_drafter(tiny_model(noise=0.08)), V, max_len=64), budget=8)
+
+
+def test_generation_keeps_the_law_and_a_broken_rule_is_caught(tiny, tree_proposer, monkeypatch):
+    params = SamplingParams(temperature=0.8, top_k=5, top_p=0.9)
+    dist = exact_law(tiny, [1, 2, 3, 1, 2], params, 4, EOS)
+    branches = Counter()
+
+    def run(p):
+        res = generate_tree(tiny, StubTokenizer(), [1, 2, 3, 1, 2], p, 6, proposer=tree_proposer, max_depth=3)
+        branches.update(res.branches)
+        return res
+
+    samples, _ = draw(run, params, 1200, 4)
+    assert chi2_pvalue(samples, dist) > 1e-3
+    assert branches["alt"] > 50 and branches["ngram"] > 50 and branches["d3d"] > 50  # every kind of sibling
+    monkeypatch.setattr(d3d.tree, "_choose", no_residual_update)
+    samples, _ = draw(tree_run(tiny, tree_proposer), params, 1200, 4)
+    assert chi2_pvalue(samples, dist) < 1e-6
