@@ -53,6 +53,11 @@ def _check_budget(max_new_tokens: int, block_size: int) -> None:
         raise D3DError(f"--block-size must be >= 1 (got {block_size})")
 
 
+def _check_tree_budget(tree_budget: int | None) -> None:
+    if tree_budget is not None and tree_budget < 1:
+        raise D3DError(f"--tree-budget must be >= 1 (got {tree_budget})")
+
+
 def _load_target(target: str | None, device: str = "cpu"):
     """load_target, with any failure to read the checkpoint reported as a user error."""
     from .target import load_target
@@ -111,6 +116,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     method = methods[0]
     params = _sampling(args)
     _check_budget(args.max_new_tokens, args.block_size)
+    _check_tree_budget(args.tree_budget)
     _check_device(args.device)
     _check_drafter(args.drafter)
 
@@ -121,7 +127,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     model, tok, model_dir = _load_target(args.target, args.device)
     runner = make_runner(method, model, tok, model_dir, drafter=_drafter_for(method, args), block_size=args.block_size,
-                         draft_device=args.draft_device)
+                         draft_device=args.draft_device, tree_budget=args.tree_budget)
     extra = {"trace": []} if args.trace else {}
     res = runner(encode_prompt(tok, args.prompt, args.raw), params=params, max_new_tokens=args.max_new_tokens,
                  stop=args.stop, **extra)
@@ -172,6 +178,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     args.max_new_tokens = 128 if args.max_new_tokens is None else args.max_new_tokens
     params = _sampling(args)
     _check_budget(args.max_new_tokens, args.block_size)
+    _check_tree_budget(args.tree_budget)
     _check_device(args.device)
     _check_drafter(args.drafter)
     prompts = _bench_prompts(args)
@@ -183,14 +190,16 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     model, tok, model_dir = _load_target(args.target, args.device)
     drafters = {m: drafter_path(m, model_dir, _drafter_for(m, args)) for m in methods}
-    runners = {m: make_runner(m, model, tok, model_dir, drafter=drafters[m], block_size=args.block_size)
-               for m in methods}
+    runners = {m: make_runner(m, model, tok, model_dir, drafter=drafters[m], block_size=args.block_size,
+                              tree_budget=args.tree_budget) for m in methods}
     settings = {"methods": methods, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                 "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "block_size": args.block_size,
                 "raw": args.raw, "target": args.target, "drafter": args.drafter,
                 "dflash_drafter": args.dflash_drafter, "ar_drafter": args.ar_drafter,
                 "drafter_weights": {m: weights_fingerprint(p) for m, p in drafters.items() if p is not None},
                 "benchmarks": list(prompts), "limit": args.limit, "quick": args.quick}
+    if "d3d-tree" in runners:  # the budget it ran with (given, or chosen from this device's cost curve)
+        settings["tree_budget"] = runners["d3d-tree"].keywords["proposer"].budget
     journal = out.with_name(out.name + ".journal")
     report = run_bench(model, tok, runners, prompts, params, args.max_new_tokens, raw=args.raw,
                        save_outputs=args.save_outputs, block_size=args.block_size, journal=journal,
@@ -404,6 +413,12 @@ def _add_target_args(p: argparse.ArgumentParser, device: bool = True) -> None:
         p.add_argument("--device", default="cpu")
 
 
+def _add_tree_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tree-budget", type=int, default=None,
+                   help="d3d-tree: tokens per verified tree (default: chosen from this device's cost of a target "
+                        "forward vs its width, measured once)")
+
+
 def _add_sampling_args(p: argparse.ArgumentParser, seed: int | None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -425,6 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     g.add_argument("--trace", default=None, help="d3d-async: write a Chrome trace of the rounds (+ a PNG timeline)")
     g.add_argument("--draft-device", default=None, help="device of the drafter (default: the target's)")
+    _add_tree_args(g)
     _add_target_args(g)
     g.set_defaults(func=cmd_generate)
 
@@ -434,6 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--benchmarks", help="comma-separated among gsm8k,math500,humaneval,mt-bench,sharegpt "
                                           "(default: all)")
     b.add_argument("--methods", default="ar,ngram", help="comma-separated; ar is always added as reference")
+    _add_tree_args(b)
     b.add_argument("--limit", type=int, default=None, help="first N prompts of each benchmark")
     b.add_argument("--save-outputs", action="store_true", help="also store token ids and text per prompt")
     b.add_argument("--out", required=True, help="output JSON file (an interrupted run resumes from OUT.journal)")
