@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from .drafter import Drafter, draft_generator, sample_draft
-from .engine import GenerationResult, StopChecker, commit_round, sync_device, validate_request
+from .engine import GenerationResult, LogprobRecorder, StopChecker, commit_round, sync_device, validate_request
 from .packed import keep_prefix, likely_candidates, packed_draft, prefill
 from .target import D3DError
 from .verify import SamplingParams, make_generator, next_token, verify
@@ -171,7 +171,8 @@ def generate_async(model, tokenizer, prompt_ids: list[int], params: SamplingPara
                    max_new_tokens: int = 128, drafter: Drafter | None = None, stop: list[str] | None = None,
                    draft_device=None, overlap: bool = True, trace: list | None = None,
                    max_candidates: int | None = None, successor_slots: int | None = None,
-                   head_all: bool = False, on_round=None) -> AsyncGenerationResult:
+                   head_all: bool = False, on_round=None, logprobs: LogprobRecorder | None = None
+                   ) -> AsyncGenerationResult:
     """Asynchronous D3D decoding with the drafter's block size B (B - 1 drafts per verified block).
 
     overlap=False runs the packed pass and verification one after the other (same output), to measure
@@ -181,7 +182,8 @@ def generate_async(model, tokenizer, prompt_ids: list[int], params: SamplingPara
     trace collects Chrome-trace spans. On CPU the worker thread shares torch's intra-op thread count,
     which is process-wide (torch.set_num_threads in one thread changes it for all): with 2 cores,
     torch.set_num_threads(1) gives each side one core.
-    on_round(chunk, accepted): as in d3d.engine.generate (called after each round's chunk is appended).
+    on_round(chunk, accepted), logprobs: as in d3d.engine.generate (on_round is called after each round's
+    chunk is appended).
     """
     if drafter is None:
         raise D3DError("generate_async needs a drafter")
@@ -216,6 +218,8 @@ def generate_async(model, tokenizer, prompt_ids: list[int], params: SamplingPara
         tokens = list(prompt_ids) + [first]
         chunk, reason = stopper.clip([], [first])
         res.token_ids = chunk
+        if logprobs is not None:
+            logprobs.add(logits[0, -1:], chunk)
         if on_round is not None:
             on_round(chunk, 0)
         block = None
@@ -249,7 +253,7 @@ def generate_async(model, tokenizer, prompt_ids: list[int], params: SamplingPara
                 w.span("draft", DRAFT_TID, p0, p1, candidates=len(cands))
             chunk = drafts[:n] + [nxt]
             res.acceptance_lengths.append(n + 1)
-            reason = commit_round(res, stopper, tokens, chunk, on_round)
+            reason = commit_round(res, stopper, tokens, chunk, on_round, logprobs, logits[0, :n + 1])
             block = w.pick(out[cands.index(n)]) if reason is None and n in cands else None
             for key, value in zip(_STAT_LISTS, ((v1 - v0) / 1e6, (p1 - p0) / 1e6, (w1 - v1) / 1e6, (s1 - s0) / 1e6,
                                                 (_now_us() - w1) / 1e6, len(cands))):
@@ -258,6 +262,7 @@ def generate_async(model, tokenizer, prompt_ids: list[int], params: SamplingPara
         res.decode_s = (_now_us() - start) / 1e6
     res.finish_reason = reason
     res.text = stopper.final_text(res.token_ids)
+    res.logprobs = None if logprobs is None else logprobs.entries
     return res
 
 

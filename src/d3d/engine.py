@@ -40,6 +40,7 @@ class GenerationResult:
     decode_s: float = 0.0
     finish_reason: str = "length"
     text: str = ""
+    logprobs: list["TokenLogprob"] | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -63,6 +64,37 @@ class GenerationResult:
                 "rounds": self.rounds, "acceptance_lengths": self.acceptance_lengths, "tau": round(self.tau, 4),
                 "prefill_s": round(self.prefill_s, 4), "decode_s": round(self.decode_s, 4),
                 "tokens_per_s": round(self.tokens_per_s, 2), "finish_reason": self.finish_reason}
+
+
+@dataclass
+class TokenLogprob:
+    """One emitted token's log-probability under the target (log-softmax of its raw logits, temperature 1)
+    and the `top` most likely tokens there as (token id, logprob), best first."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+class LogprobRecorder:
+    """Opt-in (the engines' `logprobs=` argument): records a TokenLogprob per emitted token, taken from
+    the target's logits at the position that produced it; `entries` grows before each on_round call."""
+
+    def __init__(self, top: int = 0):
+        self.top = top
+        self.entries: list[TokenLogprob] = []
+
+    def add(self, logits: torch.Tensor, ids: list[int]) -> None:
+        """logits: [>= len(ids), V], row i scored ids[i]."""
+        if not ids:
+            return
+        lp = torch.log_softmax(logits[:len(ids)].float(), -1)
+        chosen = lp.gather(-1, torch.tensor(ids, device=lp.device)[:, None])[:, 0].tolist()
+        tops = [[] for _ in ids]
+        if self.top:
+            values, index = lp.topk(min(self.top, lp.shape[-1]), -1)
+            tops = [list(zip(i, v)) for i, v in zip(index.tolist(), values.tolist())]
+        self.entries += [TokenLogprob(t, c, top) for t, c, top in zip(ids, chosen, tops)]
 
 
 class StopChecker:
@@ -109,12 +141,16 @@ def validate_request(model, prompt_ids: list[int], max_new_tokens: int, block: i
 
 
 def commit_round(res: GenerationResult, stopper: StopChecker, tokens: list[int], chunk: list[int],
-                 on_round=None) -> str | None:
+                 on_round=None, logprobs: LogprobRecorder | None = None, rows: torch.Tensor | None = None
+                 ) -> str | None:
     """Append a round's verified chunk: whole to `tokens` (the working text, which the caches follow),
-    clipped at the first stop to the output; report it to `on_round`. Returns the finish reason or None."""
+    clipped at the first stop to the output; record its logprobs from the target's logits `rows` (if
+    asked); report it to `on_round`. Returns the finish reason or None."""
     tokens += chunk
     clipped, reason = stopper.clip(res.token_ids, chunk)
     res.token_ids += clipped
+    if logprobs is not None:
+        logprobs.add(rows, clipped)
     if on_round is not None:
         on_round(clipped, res.acceptance_lengths[-1] - 1)
     return reason
@@ -128,13 +164,15 @@ def sync_device(device) -> None:
 @torch.no_grad()
 def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams | None = None,
              max_new_tokens: int = 128, proposer: Proposer | None = None, block_size: int = 16,
-             stop: list[str] | None = None, on_round=None) -> GenerationResult:
+             stop: list[str] | None = None, on_round=None, logprobs: LogprobRecorder | None = None
+             ) -> GenerationResult:
     """Plain decoding when `proposer` is None, else synchronous speculative decoding with blocks of
     `block_size` tokens (one pending token + up to block_size - 1 drafts) verified per target forward.
 
     on_round(chunk, accepted), if given, is called with the tokens each round adds to the output (after
     stop clipping) and the number of drafts accepted in it; the prefill's first token comes as a round
-    with accepted=0. An exception it raises aborts the generation (used to stop streaming early)."""
+    with accepted=0. An exception it raises aborts the generation (used to stop streaming early).
+    logprobs: a LogprobRecorder that gets every emitted token's target logprobs (None: nothing recorded)."""
     params = params or SamplingParams()
     validate_request(model, prompt_ids, max_new_tokens, block_size)
     device = model.output.weight.device if hasattr(model, "output") else "cpu"
@@ -159,12 +197,15 @@ def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams | N
     tokens = list(prompt_ids) + [first]
     chunk, reason = stopper.clip([], [first])
     res.token_ids = chunk
+    if logprobs is not None:
+        logprobs.add(logits[0, -1:], chunk)
     if on_round is not None:
         on_round(chunk, 0)
     while reason is None:
         if proposer is None:
             logits = model(torch.tensor([[tokens[-1]]], device=device))
-            chunk = [next_token(logits[0, -1], params, gen)]
+            rows = logits[0, -1:]
+            chunk = [next_token(rows[0], params, gen)]
             res.acceptance_lengths.append(1)
         else:
             k = min(block_size - 1, max_new_tokens - len(res.token_ids) - 1)
@@ -178,10 +219,12 @@ def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams | N
             if taps_of:
                 proposer.observe([t[:, :n + 1] for t in taps])
             chunk = draft[:n] + [nxt]
+            rows = logits[0, :n + 1]
             res.acceptance_lengths.append(n + 1)
-        reason = commit_round(res, stopper, tokens, chunk, on_round)
+        reason = commit_round(res, stopper, tokens, chunk, on_round, logprobs, rows)
     sync_device(device)
     res.decode_s = time.perf_counter() - t1
     res.finish_reason = reason
+    res.logprobs = None if logprobs is None else logprobs.entries
     res.text = stopper.final_text(res.token_ids)
     return res

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .engine import GenerationResult, sync_device
+from .engine import GenerationResult, LogprobRecorder, sync_device
 from .verify import SamplingParams
 
 PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value
@@ -48,7 +48,8 @@ class HFRunner:
 
     @torch.no_grad()
     def __call__(self, prompt_ids: list[int], params: SamplingParams | None = None, max_new_tokens: int = 128,
-                 stop: list[str] | None = None, on_round=None) -> GenerationResult:
+                 stop: list[str] | None = None, on_round=None, logprobs: LogprobRecorder | None = None
+                 ) -> GenerationResult:
         params = params or SamplingParams()
         kw = {"max_new_tokens": max_new_tokens, "pad_token_id": self.tokenizer.eos_token_id}
         if params.greedy:
@@ -62,12 +63,16 @@ class HFRunner:
             kw |= {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS, "max_matching_ngram_size": MAX_MATCHING_NGRAM}
         if stop:
             kw |= {"stop_strings": stop, "tokenizer": self.tokenizer}
+        if logprobs is not None:  # the raw logits of each new token, before any sampling processor
+            kw |= {"output_logits": True, "return_dict_in_generate": True}
         device = next(self.model.parameters()).device
         self.starts, self.ends = [], []
         t0 = time.perf_counter()
         out = self.model.generate(torch.tensor([prompt_ids], device=device), **kw)
         sync_device(device)
         t1 = time.perf_counter()
+        if logprobs is not None:
+            out, rows = out.sequences, torch.cat(out.logits)
         ids = out[0, len(prompt_ids):].tolist()
         res = GenerationResult(prompt_ids=list(prompt_ids), token_ids=ids, prefill_s=self.ends[0] - t0,
                                decode_s=t1 - self.ends[0], text=self.tokenizer.decode(ids, skip_special_tokens=True))
@@ -75,6 +80,9 @@ class HFRunner:
         # round i starts where the cache ends; the last round verified up to the final token
         starts = self.starts[1:] + [len(prompt_ids) + len(ids) - 1]
         res.acceptance_lengths = [b - a for a, b in zip(starts, starts[1:]) if b > a]
+        if logprobs is not None:
+            logprobs.add(rows, ids)
+            res.logprobs = logprobs.entries
         if on_round is not None:  # transformers gives no per-round hook here: one chunk at the end
             on_round(ids, max(0, len(ids) - 1 - len(res.acceptance_lengths)))
         return res

@@ -16,6 +16,9 @@ import torch
 from .target import D3DError
 
 
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed accepts
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 0.0
@@ -30,6 +33,8 @@ class SamplingParams:
             raise D3DError(f"invalid top-p {self.top_p}: must be in (0, 1]")
         if self.top_k < 0:
             raise D3DError(f"invalid top-k {self.top_k}: must be >= 0")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise D3DError(f"invalid seed {self.seed}: must be in [{SEED_MIN}, {SEED_MAX}]")
 
     @property
     def greedy(self) -> bool:
