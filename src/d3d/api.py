@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from .engine import GenerationResult, validate_request
+from .engine import GenerationResult, LogprobRecorder, validate_request
 from .methods import BEST_METHOD, make_runner, parse_methods
 from .target import D3DError, load_target
 from .verify import SamplingParams
@@ -92,12 +92,15 @@ class Generator:
         validate_request(self.model, prompt_ids, max_new_tokens, self.block_size)
 
     def run(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
-            stop: list[str] | None = None, on_round=None) -> GenerationResult:
-        """Generate from token ids (serialised: one generation at a time)."""
+            stop: list[str] | None = None, on_round=None, logprobs: LogprobRecorder | None = None
+            ) -> GenerationResult:
+        """Generate from token ids (serialised: one generation at a time). logprobs: a LogprobRecorder to
+        record every emitted token's target logprobs in (res.logprobs)."""
         self.check(prompt_ids, max_new_tokens)
+        extra = {} if logprobs is None else {"logprobs": logprobs}
         with self._lock:
             return self.runner(prompt_ids, params=params, max_new_tokens=max_new_tokens, stop=stop or None,
-                               on_round=on_round)
+                               on_round=on_round, **extra)
 
     def generate(self, prompt: str | list[dict], max_new_tokens: int = 128, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, stop: str | list[str] | None = None,

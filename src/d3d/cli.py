@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -390,15 +391,20 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     if not 0 <= args.port <= 65535:
         raise D3DError(f"--port must be in 0..65535 (got {args.port})")
-    if args.max_queue < 0:
-        raise D3DError(f"--max-queue must be >= 0 (got {args.max_queue})")
+    if args.max_queue < 1:
+        raise D3DError(f"--max-queue must be >= 1 (got {args.max_queue})")
+    if args.request_timeout is not None and not args.request_timeout > 0:
+        raise D3DError(f"--request-timeout must be > 0 seconds (got {args.request_timeout})")
     _check_device(args.device)
     _check_drafter(args.drafter)
     check_address(args.host, args.port)
     gen = load(args.target, args.method or BEST_METHOD, args.drafter, device=args.device, block_size=args.block_size)
+    key = args.api_key or os.environ.get("D3D_API_KEY") or None
     print(f"d3d serve: {gen.name} with method {gen.method} on http://{args.host}:{args.port} "
-          f"(web page at /, OpenAI API at /v1)", file=sys.stderr, flush=True)
-    serve(gen, args.host, args.port, args.max_queue)
+          f"(web page at /, OpenAI API at /v1; API key {'required' if key else 'not required'})",
+          file=sys.stderr, flush=True)
+    serve(gen, args.host, args.port, args.max_queue, api_key=key, allow_origins=args.allow_origin,
+          request_timeout=args.request_timeout)
 
 
 def _add_target_args(p: argparse.ArgumentParser, device: bool = True) -> None:
@@ -536,7 +542,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000, help="0 = any free port")
     s.add_argument("--method", default=None, help="decoding method (default: d3d.methods.BEST_METHOD)")
     s.add_argument("--max-queue", type=int, default=16,
-                   help="requests that may wait behind the running one (beyond: 503)")
+                   help="requests that may wait behind the running one (>= 1; beyond: 503)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every path but /health (default: $D3D_API_KEY)")
+    s.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                   help="also accept browser requests from this origin, e.g. http://localhost:3000 ('*' = any); "
+                        "repeatable (default: only the server's own)")
+    s.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                   help="deadline per request: 504 if still queued, else cut at the next round with "
+                        "finish_reason 'length' (default: none)")
     _add_target_args(s)
     s.set_defaults(func=cmd_serve)
     return p
