@@ -1,10 +1,13 @@
 """`d3d serve` over real HTTP on loopback: answers equal the CLI's / engine's greedy output (plain and
 streamed, chat and text completions), concurrent clients, 400s for bad input, 503 when the queue is
-full, a disconnecting client frees its slot, /metrics and /health, the Python API, and the web page in
-headless Chromium (typed prompt, streamed answer, screenshot).
+full, a disconnecting client frees its slot, /metrics and /health, logprobs, origin / content-type /
+body-size checks, the Python API, and the web page in headless Chromium (typed prompt, streamed
+answer, screenshot).
 
-One server subprocess (`--method ngram --threads 1 --max-queue 3`) serves every test; answers are
-kept short (<= 16 tokens) because the machine is small.
+One server subprocess (`--method ngram --threads 1 --max-queue 3`) serves most tests; answers are
+kept short (<= 16 tokens) because the machine is small. An in-process server with a scripted runner
+(exact rounds) and an API key, an extra allowed origin and a request timeout covers authentication,
+CORS, disconnects within one round, deadlines and a failing generation.
 """
 from __future__ import annotations
 
@@ -39,29 +42,32 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, port: int):
-        self.port = port
+    def __init__(self, port: int, key: str | None = None):
+        self.port, self.key = port, key
+        self.headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
 
-    def request(self, method: str, path: str, body=None, raw: bytes | None = None, timeout: float = 120):
-        """(status, parsed JSON or text) of one request."""
+    def request(self, method: str, path: str, body=None, raw: bytes | None = None, timeout: float = 120,
+                headers: dict | None = None, full: bool = False):
+        """(status, parsed JSON or text) of one request; with `full`, the response headers too."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-        conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+        hdrs = {k: v for k, v in (self.headers | (headers or {})).items() if v is not None}
+        conn.request(method, path, body=data, headers=hdrs)
         resp = conn.getresponse()
         text = resp.read().decode()
         conn.close()
         try:
-            return resp.status, json.loads(text)
+            out = resp.status, json.loads(text)
         except ValueError:
-            return resp.status, text
+            out = resp.status, text
+        return out + (resp.headers,) if full else out
 
     def post(self, path: str, body=None, **kw):
         return self.request("POST", path, body, **kw)
 
     def open_stream(self, path: str, body: dict, timeout: float = 120):
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        conn.request("POST", path, body=json.dumps(body | {"stream": True}).encode(),
-                     headers={"Content-Type": "application/json"})
+        conn.request("POST", path, body=json.dumps(body | {"stream": True}).encode(), headers=self.headers)
         resp = conn.getresponse()
         assert resp.status == 200, resp.read()
         assert resp.getheader("content-type", "").startswith("text/event-stream")
@@ -440,6 +446,327 @@ def test_metrics_count_requests_and_tokens(env):
     assert 'd3d_info{model="SmolLM2-135M-Instruct",method="ngram"} 1' in text
 
 
+BAD_MORE = [  # (path, body, fragment of the message, param)
+    ("/v1/chat/completions", chat("hi", seed=1 << 64), "seed", "seed"),
+    ("/v1/chat/completions", chat("hi", seed=-(1 << 63) - 1), "seed", "seed"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "lone surrogate", "messages"),
+    ("/v1/completions", b'{"prompt": "\\udfff"}', "lone surrogate", "prompt"),
+    ("/v1/chat/completions", b"[" * 100_000 + b"]" * 100_000, "malformed JSON", None),
+    ("/v1/chat/completions", b'{"max_tokens": 1' + b"0" * 5000 + b"}", "malformed JSON", None),
+    ("/v1/chat/completions", chat("hi", stop="x" * 65), "at most 64 characters", "stop"),
+    ("/v1/chat/completions", chat("hi", stop=[str(i) for i in range(17)]), "at most 16 stop", "stop"),
+    ("/v1/chat/completions", chat("hi", top_logprobs=2), "needs 'logprobs'", "top_logprobs"),
+    ("/v1/chat/completions", chat("hi", logprobs=True, top_logprobs=21), "top_logprobs", "top_logprobs"),
+    ("/v1/chat/completions", chat("hi", logprobs="yes"), "boolean", "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs", "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": True}, "integer", "logprobs"),
+] + [("/v1/chat/completions", chat("hi", **{k: v}), "not supported", k) for k, v in (
+    ("frequency_penalty", 0.5), ("presence_penalty", -1), ("response_format", {"type": "json_object"}),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"), ("logit_bias", {"5": 3}))
+] + [("/v1/completions", {"prompt": "hi", k: v}, "not supported", k) for k, v in (("best_of", 2), ("echo", True))]
+
+
+def test_more_malformed_input_gets_400_naming_the_parameter(env):
+    server, _, _ = env
+    before = server.metrics().get("d3d_generations_total", 0)
+    for path, body, fragment, param in BAD_MORE:
+        status, out = server.post(path, raw=body) if isinstance(body, bytes) else server.post(path, body)
+        assert status == 400, (body if isinstance(body, dict) else body[:60], status, out)
+        err = out["error"]
+        assert err["type"] == "invalid_request_error" and fragment in err["message"] and err["param"] == param, err
+    for body in (chat("hi", max_tokens=2, frequency_penalty=0, presence_penalty=0.0, response_format={"type": "text"},
+                      tools=[], tool_choice="none", logit_bias={}), {"prompt": "hi", "max_tokens": 2, "best_of": 1}):
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        assert server.post(path, body)[0] == 200  # the "not used" values of unsupported parameters are fine
+    assert server.metrics().get("d3d_generations_total", 0) == before + 2
+
+
+def test_origin_and_content_type_checks(env):
+    """Browsers send Origin: another site's page (or a DNS-rebound name) is refused; the server's own
+    origin is not. A POST must be application/json (a cross-site HTML form cannot send that)."""
+    server, _, _ = env
+    body = json.dumps(chat(PROMPT_A, max_tokens=2)).encode()
+    before = server.metrics()["d3d_generations_total"]
+    for origin in ("http://evil.example", "null", f"http://evil.example:{server.port}", "https://127.0.0.1"):
+        status, out = server.post("/v1/chat/completions", raw=body, headers={"Origin": origin})
+        assert status == 403 and out["error"]["code"] == "origin_not_allowed", (origin, out)
+    status, out, headers = server.request("OPTIONS", "/v1/chat/completions", full=True,
+                                          headers={"Origin": "http://evil.example", "Access-Control-Request-Method":
+                                                   "POST"})
+    assert status == 403 and "access-control-allow-origin" not in headers
+    for kind in ("text/plain", "application/x-www-form-urlencoded", None):
+        status, out = server.post("/v1/chat/completions", raw=body, headers={"Content-Type": kind})
+        assert status == 415 and "application/json" in out["error"]["message"], (kind, out)
+    assert server.metrics()["d3d_generations_total"] == before
+    for origin in (f"http://127.0.0.1:{server.port}", f"http://localhost:{server.port}", None):
+        status, out = server.post("/v1/chat/completions", raw=body, headers={"Origin": origin})
+        assert status == 200, (origin, out)
+    assert server.request("GET", "/v1/models", headers={"Origin": "http://evil.example"})[0] == 403
+
+
+def test_oversized_body_413_without_reading_it(env):
+    """A 64 MB Content-Length gets 413 after only its headers and 64 KB were sent; a chunked body (no
+    Content-Length) gets 413 once 4 MB have arrived, long before its 64 MB would."""
+    server, _, _ = env
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 67108864\r\n\r\n" + b" " * 65536)
+        head = s.recv(65536).decode()
+    assert head.startswith("HTTP/1.1 413") and "body_too_large" in head, head[:300]
+    piece = b"%x\r\n%s\r\n" % (1 << 16, b" " * (1 << 16))
+    sent = 0
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Transfer-Encoding: chunked\r\n\r\n")
+        try:
+            while sent < 64 << 20 and not select.select([s], [], [], 0)[0]:
+                s.sendall(piece)
+                sent += 1 << 16
+        except OSError:  # the server answered and closed while we were still sending
+            pass
+        head = s.recv(65536).decode()
+    assert head.startswith("HTTP/1.1 413"), head[:300]
+    assert sent < 16 << 20  # 4 MB read, plus what the loopback socket buffers held
+    assert server.request("GET", "/health")[0] == 200
+
+
+def _wait(cond, timeout: float = 30, step: float = 0.01) -> float:
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, "timed out"
+        time.sleep(step)
+    return time.monotonic() - t0
+
+
+def test_plain_request_disconnect_stops_generation(env):
+    """A non-streaming client that hangs up mid-generation: the generation stops at once (a few rounds of
+    the real model at most), it is counted as cancelled, not completed."""
+    server, _, _ = env
+    before = server.metrics()
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    body = json.dumps(chat(SLOW_PROMPT, max_tokens=400)).encode()
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    _wait(lambda: server.metrics()["d3d_generation_running"] == 1)
+    time.sleep(0.3)
+    s.shutdown(socket.SHUT_RDWR)
+    s.close()
+    assert _wait(lambda: server.metrics()["d3d_generation_running"] == 0) < 1.5
+    after = server.metrics()
+    assert after["d3d_requests_cancelled_total"] == before["d3d_requests_cancelled_total"] + 1
+    assert after["d3d_generations_total"] == before["d3d_generations_total"]
+
+
+def test_logprobs_are_the_targets_log_softmax(env):
+    """Chat (logprobs + top_logprobs) and completions (logprobs: N), plain and streamed: each token's
+    logprob and top list equal the log-softmax of the target's own logits (one full forward here)."""
+    import torch
+
+    server, refs, _ = env
+    gen, ref = refs["gen"], refs[PROMPT_A]
+    ids = ref.token_ids[:8]
+    with gen._lock, torch.no_grad():
+        gen.model.setup_cache(1, len(ref.prompt_ids) + len(ids) + 1)
+        logits = gen.model(torch.tensor([ref.prompt_ids + ids]))[0, len(ref.prompt_ids) - 1:-1]
+    lp = torch.log_softmax(logits.float(), -1)
+    want = [float(lp[i, t]) for i, t in enumerate(ids)]
+    top = lp.topk(3, -1)
+    eos = gen.tokenizer.eos_token_id
+    n = len([t for t in ids if t != eos])
+
+    status, out = server.post("/v1/chat/completions", chat(PROMPT_A, max_tokens=8, logprobs=True, top_logprobs=3))
+    assert status == 200, out
+    content = out["choices"][0]["logprobs"]["content"]
+    events = server.stream("/v1/chat/completions", chat(PROMPT_A, max_tokens=8, logprobs=True, top_logprobs=3))
+    streamed = [c for e in events[:-1] for ch in e["choices"] for c in (ch.get("logprobs") or {}).get("content", [])]
+    assert streamed == content and len(content) == n
+    for i, c in enumerate(content):
+        assert c["token"] == gen.tokenizer.decode([ids[i]])
+        assert c["logprob"] == pytest.approx(want[i], abs=2e-3)
+        assert [t["token"] for t in c["top_logprobs"]] == [gen.tokenizer.decode([t]) for t in top.indices[i].tolist()]
+        assert [t["logprob"] for t in c["top_logprobs"]] == pytest.approx(top.values[i].tolist(), abs=2e-3)
+    plain = server.post("/v1/chat/completions", chat(PROMPT_A, max_tokens=8))[1]
+    assert plain["choices"][0]["logprobs"] is None  # off unless asked for
+
+    prompt = {"prompt": ref.prompt_ids, "max_tokens": 8, "logprobs": 2}
+    status, out = server.post("/v1/completions", prompt)
+    assert status == 200, out
+    lps = out["choices"][0]["logprobs"]
+    assert lps["token_logprobs"] == pytest.approx(want[:n], abs=2e-3)
+    got = [v for d in lps["top_logprobs"] for v in d.values()]
+    assert got == pytest.approx(top.values[:n, :2].flatten().tolist(), abs=2e-3)
+    assert "".join(lps["tokens"]) == out["choices"][0]["text"] or eos in ids
+    events = server.stream("/v1/completions", prompt)
+    assert [x for e in events[:-1] for x in (e["choices"][0]["logprobs"] or {}).get("token_logprobs", [])] \
+        == lps["token_logprobs"]
+
+
+def test_max_queue_validated():
+    proc = subprocess.run([sys.executable, "-m", "d3d.cli", "serve", "--max-queue", "0"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "--max-queue must be >= 1" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# An in-process server on loopback with a scripted runner (rounds of ROUND_S seconds, so rounds can be
+# counted exactly), an API key, an allowed extra origin and a request timeout.
+
+KEY = "sk-test-0123456789"
+ALLOWED = "http://app.example:3000"
+DEADLINE = 2.0
+ROUND_S = 0.05
+SLOW_ROUND = 7    # max_tokens that make the runner spend DEADLINE + 1 s in one round
+FAILING = 13      # max_tokens that make the runner raise
+
+
+class ScriptedRunner:
+    """runner(prompt_ids, ...) that emits token 42 once per ROUND_S seconds; counts on_round calls that
+    returned (so rounds run after a disconnect can be counted)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.rounds = tokenizer, 0
+
+    def __call__(self, prompt_ids, params=None, max_new_tokens=16, stop=None, on_round=None, logprobs=None):
+        from d3d.engine import GenerationResult
+
+        if max_new_tokens == FAILING:
+            raise RuntimeError("boom")
+        res = GenerationResult(prompt_ids=list(prompt_ids))
+        for i in range(max_new_tokens):
+            time.sleep(DEADLINE + 1 if max_new_tokens == SLOW_ROUND else ROUND_S)
+            res.token_ids.append(42)
+            res.acceptance_lengths += [1] if i else []
+            on_round([42], 0)
+            self.rounds += 1
+        res.text = self.tokenizer.decode(res.token_ids)
+        return res
+
+
+@pytest.fixture(scope="module")
+def scripted(env):
+    import uvicorn
+
+    from d3d.api import Generator
+    from d3d.server import create_app
+
+    gen = env[1]["gen"]
+    runner = ScriptedRunner(gen.tokenizer)
+    app = create_app(Generator(gen.model, gen.tokenizer, gen.model_dir, "scripted", runner), max_queue=2,
+                     api_key=KEY, allow_origins=[ALLOWED], request_timeout=DEADLINE)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    _wait(lambda: server.started)
+    try:
+        yield Server(port, KEY), runner
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_api_key_required(scripted):
+    server, _ = scripted
+    body = chat("hi", max_tokens=2)
+    for auth in (None, "Bearer wrong", "Bearer", f"Basic {base64.b64encode(b'u:wrong').decode()}", KEY):
+        for method, path in (("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/metrics"),
+                             ("GET", "/")):
+            status, out, headers = server.request(method, path, body if method == "POST" else None, full=True,
+                                                  headers={"Authorization": auth})
+            assert status == 401, (auth, path, status)
+            assert out["error"]["type"] == "authentication_error" and out["error"]["code"] == "invalid_api_key"
+            assert headers["www-authenticate"] == ('Basic realm="d3d"' if path == "/" else "Bearer")
+    assert server.request("GET", "/health", headers={"Authorization": None})[0] == 200
+    assert server.post("/v1/chat/completions", body)[0] == 200
+    basic = f"Basic {base64.b64encode(f'anyone:{KEY}'.encode()).decode()}"  # what a browser sends for the page
+    assert server.request("GET", "/", headers={"Authorization": basic})[0] == 200
+    assert server.request("GET", "/v1/models", headers={"Authorization": basic})[0] == 200
+
+
+def test_allowed_origin_gets_cors(scripted):
+    server, _ = scripted
+    status, _, headers = server.request("OPTIONS", "/v1/chat/completions", full=True, headers={
+        "Origin": ALLOWED, "Access-Control-Request-Method": "POST", "Authorization": None})
+    assert status == 204 and headers["access-control-allow-origin"] == ALLOWED
+    assert "Authorization" in headers["access-control-allow-headers"]
+    status, out, headers = server.request("POST", "/v1/chat/completions", chat("hi", max_tokens=2), full=True,
+                                          headers={"Origin": ALLOWED})
+    assert status == 200 and headers["access-control-allow-origin"] == ALLOWED
+    assert server.post("/v1/chat/completions", chat("hi", max_tokens=2), headers={"Origin": ALLOWED[:-1]})[0] == 403
+
+
+def test_disconnect_frees_worker_within_one_round(scripted):
+    server, runner = scripted
+    for stream in (False, True):
+        s = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        body = json.dumps(chat("hi", max_tokens=200, stream=stream)).encode()
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n%s" % (KEY.encode(), len(body), body))
+        start = runner.rounds
+        _wait(lambda: runner.rounds >= start + 3)
+        s.shutdown(socket.SHUT_RDWR)
+        s.close()
+        at_close = runner.rounds
+        _wait(lambda: server.request("GET", "/health")[1]["running"] == 0, timeout=5)
+        assert runner.rounds - at_close <= 1, stream  # the round under way at most
+        time.sleep(2 * ROUND_S)
+        assert runner.rounds - at_close <= 1
+
+
+def test_deadline_cuts_a_running_request(scripted):
+    server, runner = scripted
+    t0 = time.monotonic()
+    status, out = server.post("/v1/chat/completions", chat("hi", max_tokens=200))
+    took = time.monotonic() - t0
+    assert status == 200 and out["choices"][0]["finish_reason"] == "length", out
+    assert out["d3d"]["finish_reason"] == "timeout"
+    assert DEADLINE <= took < DEADLINE + 0.5 and 0 < out["usage"]["completion_tokens"] < 200
+    events = server.stream("/v1/chat/completions", chat("hi", max_tokens=200))
+    text, ids, finish = streamed_text(events)
+    assert finish == "length" and 0 < len(ids) < 200
+
+
+def test_deadline_in_the_queue_gives_504(scripted):
+    server, _ = scripted
+    slow = {}
+    thread = threading.Thread(target=lambda: slow.update(r=server.post("/v1/chat/completions",
+                                                                        chat("hi", max_tokens=SLOW_ROUND))))
+    thread.start()
+    _wait(lambda: server.request("GET", "/health")[1]["running"] == 1)
+    t0 = time.monotonic()
+    status, out = server.post("/v1/chat/completions", chat("hi", max_tokens=2))
+    assert status == 504 and out["error"]["code"] == "timeout", out
+    assert DEADLINE - 0.1 <= time.monotonic() - t0 < DEADLINE + 0.5
+    thread.join(30)
+    assert slow["r"][0] == 200 and slow["r"][1]["d3d"]["finish_reason"] == "timeout"
+
+
+def test_worker_survives_a_failing_generation(scripted):
+    server, _ = scripted
+    status, out = server.post("/v1/chat/completions", chat("hi", max_tokens=FAILING))
+    assert status == 500 and out["error"]["type"] == "server_error" and "RuntimeError: boom" in out["error"]["message"]
+    status, health = server.request("GET", "/health")
+    assert status == 200 and health["worker"] == "alive" and health["running"] == 0
+    assert server.post("/v1/chat/completions", chat("hi", max_tokens=2))[0] == 200
+
+
+def test_text_streamer_equals_final_text(env):
+    """The incremental TextStreamer: its deltas, for any split into rounds, concatenate to the engine's
+    final text (EOS dropped, cut before the first stop), multi-byte characters and long stops included."""
+    from d3d.engine import StopChecker
+    from d3d.server import TextStreamer
+
+    tok = env[1]["gen"].tokenizer
+    text = "Caf\u00e9 \U0001f600 na\u00efve -- the end. " * 6 + "abcabcabd tail"
+    ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+    for stop in ([], ["the end."], ["abcabcabd"], ["\U0001f600 na"], ["zzz", "tail"], ["x" * 64]):
+        final = StopChecker(tok, {tok.eos_token_id}, len(ids), stop).final_text(ids)
+        for size in (1, 2, 3, 7):
+            streamer = TextStreamer(tok, stop)
+            out = "".join(streamer.push(ids[i:i + size]) for i in range(0, len(ids), size))
+            assert out + streamer.push([], final=True) == final, (stop, size)
+
+
 # ---------------------------------------------------------------------------------------------
 # The web page in headless Chromium, driven over the DevTools protocol on a pipe (--remote-debugging-pipe:
 # JSON messages separated by NUL bytes on file descriptors 3 and 4), so no websocket client is needed.
@@ -508,7 +835,9 @@ def test_web_page_in_headless_chromium(env, tmp_path):
     server, refs, _ = env
     browser = Chromium(binary, tmp_path / "profile")
     try:
-        target = browser.send("Target.createTarget", {"url": f"http://127.0.0.1:{server.port}/"})["targetId"]
+        before = server.metrics()["d3d_generations_total"]
+        url = f"http://127.0.0.1:{server.port}/?prompt=Say+hi&autorun=1"  # as a link from another site would
+        target = browser.send("Target.createTarget", {"url": url})["targetId"]
         session = browser.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
 
         def js(expr: str):
@@ -520,6 +849,10 @@ def test_web_page_in_headless_chromium(env, tmp_path):
         while js("document.readyState") != "complete" or "ngram" not in (js(model_line) or ""):
             assert time.monotonic() < deadline, "page did not load"
             time.sleep(0.2)
+        assert js("document.getElementById('prompt').value") == "Say hi"
+        time.sleep(0.5)
+        assert js("document.body.dataset.state") is None  # autorun=1 does not start a generation
+        assert server.metrics()["d3d_generations_total"] == before and server.metrics()["d3d_generation_running"] == 0
         js(f"document.getElementById('max').value = '{MAX}'")
         js("const p = document.getElementById('prompt'); p.value = ''; p.focus(); 1")
         browser.send("Input.insertText", {"text": PROMPT_B}, session)  # typed, as a user would
