@@ -169,9 +169,8 @@ class StopGeneration(Exception):
     pass
 
 
-def test_on_round_reports_every_round():
-    """The engines' on_round(chunk, accepted) hook that streaming relies on: chunks concatenate to the
-    output, accepted counts match the acceptance lengths, for every method (tiny random models)."""
+def _tiny_runs():
+    """(target, prompt, {method: run(**kw)}) on tiny random models for ar, ngram, d3d and d3d-async."""
     import torch
 
     from d3d.async_engine import generate_async
@@ -201,6 +200,13 @@ def test_on_round_reports_every_round():
             "d3d": lambda **kw: generate(target, Tok(), prompt, proposer=D3DProposer(drafter, 64, 128), block_size=4,
                                          **kw),
             "d3d-async": lambda **kw: generate_async(target, Tok(), prompt, drafter=drafter, **kw)}
+    return target, prompt, runs
+
+
+def test_on_round_reports_every_round():
+    """The engines' on_round(chunk, accepted) hook that streaming relies on: chunks concatenate to the
+    output, accepted counts match the acceptance lengths, for every method (tiny random models)."""
+    _, _, runs = _tiny_runs()
     for method, run in runs.items():
         rounds = []
         res = run(max_new_tokens=20, on_round=lambda chunk, accepted: rounds.append((list(chunk), accepted)))
@@ -216,6 +222,29 @@ def test_on_round_reports_every_round():
         rounds = []
         with pytest.raises(StopGeneration):
             run(max_new_tokens=20, on_round=stop_early)
+
+
+def test_logprobs_recorded_for_every_method():
+    """The engines' opt-in logprobs recorder: one entry per emitted token, equal to the log-softmax of the
+    target's logits over the whole text (one full forward), greedy and sampled; off by default."""
+    import torch
+
+    from d3d.engine import LogprobRecorder
+    from d3d.verify import SamplingParams
+
+    target, prompt, runs = _tiny_runs()
+    for method, run in runs.items():
+        assert run(max_new_tokens=6).logprobs is None
+        for params in (SamplingParams(), SamplingParams(temperature=0.8, seed=1)):
+            rec = LogprobRecorder(top=3)
+            res = run(max_new_tokens=20, params=params, logprobs=rec)
+            assert res.logprobs is rec.entries and [e.token for e in rec.entries] == res.token_ids, method
+            target.setup_cache(1, 64)
+            lp = torch.log_softmax(target(torch.tensor([prompt + res.token_ids]))[0, len(prompt) - 1:-1], -1)
+            assert [e.logprob for e in rec.entries] == pytest.approx(
+                lp.gather(-1, torch.tensor(res.token_ids)[:, None])[:, 0].tolist(), abs=1e-4), method
+            assert [v for e in rec.entries for _, v in e.top] == pytest.approx(
+                lp.topk(3, -1).values.flatten().tolist(), abs=1e-4), method
 
 
 def test_health_and_models(env):
