@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from .target import D3DError, ModelArgs, Transformer, rope_frequencies
+from .quantize import apply_quantize
+from .target import D3DError, ModelArgs, Transformer, decode_layout, rope_frequencies
 from .verify import SamplingParams
 
 CONFIG_NAME = "drafter.json"
@@ -211,7 +212,8 @@ def load_drafter(folder: str | Path, target: Transformer, tokenizer, device: str
     state["output.weight"] = target.output.weight[state["draft_ids"]]
     d.load_state_dict(state, strict=True, assign=True)
     d.inv_freq = rope_frequencies(cfg.model_args)
-    return d.to(device).eval().requires_grad_(False)
+    d = decode_layout(d.to(device).eval().requires_grad_(False))
+    return apply_quantize(d, getattr(target, "quantized", None), tokenizer, batch_invariant=False)  # drafts need no invariance
 
 
 class D3DProposer:

@@ -1,0 +1,125 @@
+"""`--quantize int8`: int8 weights for the target and its drafter on the CPU, like llama.cpp's Q8_0.
+
+Each linear layer's weight is quantized per output row (symmetric, scale = max|w| / 127) and run by
+fbgemm's dynamic int8 linear: a quarter of fp32's bytes, which is what decoding is bound by on a CPU
+(LM head, one row, 1 thread: 4.1 ms fp32 -> 0.6-0.9 ms).
+
+Batch invariance. fbgemm quantizes its input with one scale per call (per tensor), so a row's result
+would depend on the other rows in the call: a 16-token verification would not compute what 16
+one-token decoding steps compute, and speculative decoding would stop being lossless. So each row is
+first divided by its own max |x|, and a constant row holding +1 and -1 is appended: the per-tensor
+range is then exactly [-1, 1] whatever the batch, each row is quantized on its own (per-token
+activation quantization), the integer products are exact, and the row is scaled back afterwards.
+Every row's output is bitwise the same in any batch (tests/test_quantize.py checks it). A quantized
+target is its own reference: speculative methods are lossless with respect to the target as it runs.
+
+Activation outliers. Per-token activation quantization alone loses a lot on this model: a few input
+channels are 10-100x the median, and the rest then get few levels. So, as in SmoothQuant, each input
+channel j is divided by s_j = peak|x_j|^a / peak|W_j|^(1-a) (a = 0.7; peaks measured once, at load
+time, on a fixed calibration text) and the weight's column j multiplied by it: the same product, with
+the difficulty moved from activations to weights. Greedy agreement with fp32, teacher-forced on three
+GSM8K prompts and their answers (437 positions): weights-only int8 97%, plain per-token int8 81%,
+smoothed 92%.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn as nn
+
+from .errors import D3DError
+
+QUANTIZE_MODES = ("int8",)
+SMOOTH_ALPHA = 0.7
+CALIBRATION_TEXT = (
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did she sell altogether? In April she sold 48 clips; in May 48 / 2 = 24. 48 + 24 = 72.\n"
+    "def is_palindrome(s: str) -> bool:\n    s = s.lower()\n    return s == s[::-1]\n\n"
+    "Three simple tips for better sleep: keep a regular schedule, avoid screens an hour before bed, and "
+    "keep the bedroom cool, dark and quiet. The history of the Roman Empire spans more than a thousand years."
+)
+KEEP_WEIGHT = ("output", "fc")  # LM head (drafters borrow its rows; tied: no extra memory), DFlash fusion
+
+
+class Int8Linear(nn.Module):
+    """nn.Linear replacement: fbgemm-packed int8 weight (per-row scales), batch-invariant per-token
+    activation quantization (see the module doc), fp32 bias added after scaling back."""
+
+    def __init__(self, linear: nn.Linear, keep_weight: bool = False, input_peak: torch.Tensor | None = None):
+        super().__init__()
+        w = linear.weight.detach().float()
+        self.smooth = None
+        if input_peak is not None:
+            s = input_peak.clamp_min(1e-5) ** SMOOTH_ALPHA / w.abs().amax(0).clamp_min(1e-5) ** (1 - SMOOTH_ALPHA)
+            s = s.clamp_min(1e-5)
+            w, self.smooth = w * s, 1 / s
+        scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-12).double()
+        with warnings.catch_warnings():  # quantized tensors are deprecated upstream; pinned torch has them
+            warnings.simplefilter("ignore")
+            q = torch.quantize_per_channel(w, scale, torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8)
+        self.packed = torch.ops.quantized.linear_prepack(q, None)
+        self.bias = None if linear.bias is None else linear.bias.detach().float()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight if keep_weight else None
+        anchor = torch.zeros(1, self.in_features)
+        anchor[0, :2] = torch.tensor([1.0, -1.0])
+        self.anchor = anchor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if self.smooth is not None:
+            rows = rows * self.smooth
+        peak = rows.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
+        y = torch.ops.quantized.linear_dynamic(torch.cat([rows / peak, self.anchor]), self.packed, True)[:-1] * peak
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+@torch.no_grad()
+def input_peaks(model: nn.Module, tokens: list[int]) -> dict[str, torch.Tensor]:
+    """Per-channel max |input| of every nn.Linear of `model` over one causal pass on `tokens`."""
+    peaks: dict[str, torch.Tensor] = {}
+
+    def record(name: str):
+        def hook(module, args, out):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).abs().amax(0)
+            peaks[name] = torch.maximum(peaks[name], x) if name in peaks else x
+        return hook
+
+    hooks = [m.register_forward_hook(record(n)) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    try:
+        model(torch.tensor([tokens]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return peaks
+
+
+def quantize_int8(model: nn.Module, tokenizer, batch_invariant: bool = True) -> nn.Module:
+    """Replace every nn.Linear of `model` (CPU only; its KV cache not yet set up) by an Int8Linear
+    smoothed on CALIBRATION_TEXT, in place; returns `model`. batch_invariant: also make its attention
+    row by row (target.rowwise_attention), so that a verification pass computes bitwise what decoding
+    computes; a drafter does not need it."""
+    if next(model.parameters()).device.type != "cpu":
+        raise D3DError("--quantize int8 runs on the CPU (fbgemm); use --device cpu")
+    peaks = input_peaks(model, tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False))
+    for name, module in list(model.named_modules()):
+        for child, layer in list(module.named_children()):
+            if isinstance(layer, nn.Linear):
+                full = f"{name}.{child}" if name else child
+                setattr(module, child, Int8Linear(layer, keep_weight=full in KEEP_WEIGHT, input_peak=peaks.get(full)))
+        if hasattr(module, "rowwise"):
+            module.rowwise = batch_invariant
+    model.quantized = "int8"
+    return model
+
+
+def apply_quantize(model: nn.Module, mode: str | None, tokenizer, batch_invariant: bool = True) -> nn.Module:
+    """`model` quantized as `mode` (None: unchanged); batch_invariant as in quantize_int8."""
+    if mode is None:
+        return model
+    if mode not in QUANTIZE_MODES:
+        raise D3DError(f"unknown --quantize mode {mode!r}; choose from {', '.join(QUANTIZE_MODES)}")
+    return quantize_int8(model, tokenizer, batch_invariant)

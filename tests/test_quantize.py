@@ -1,0 +1,89 @@
+"""The decode weight layout keeps the model's values, and `--quantize int8` stays lossless.
+
+int8: every row of a verification pass is bitwise what a one-token decoding step computes at that
+position (batch invariance), so speculative methods on the quantized target give exactly its plain
+decoding; the quantized model stays close to fp32.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from d3d.methods import make_runner
+from d3d.quantize import Int8Linear, apply_quantize
+from d3d.target import decode_layout, load_target
+from d3d.errors import D3DError
+
+
+@pytest.fixture(scope="module")
+def int8_target(smol):
+    return load_target(None, quantize="int8")
+
+
+def test_decode_layout_keeps_values_shape_and_ties():
+    torch.manual_seed(0)
+    emb, lin = nn.Embedding(50, 8), nn.Linear(8, 50, bias=False)
+    lin.weight = emb.weight
+    x = torch.randn(3, 8)
+    before, rows = lin(x), emb(torch.tensor([1, 7]))
+    model = decode_layout(nn.Sequential(emb, lin))
+    assert lin.weight is emb.weight and lin.weight.shape == (50, 8)
+    assert lin.weight.t().is_contiguous()
+    assert torch.allclose(lin(x), before, atol=1e-6) and torch.equal(emb(torch.tensor([1, 7])), rows)
+
+
+def test_int8_linear_is_batch_invariant_and_close_to_fp32():
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 96, bias=True)
+    q = Int8Linear(lin)
+    x = torch.randn(2, 16, 64) * torch.logspace(-2, 2, 16)[:, None]  # rows of very different scales
+    full = q(x)
+    for b in range(2):
+        for i in range(16):
+            assert torch.equal(full[b, i], q(x[b, i:i + 1])[0])
+    ref = lin(x)
+    assert ((full - ref).abs().amax(-1) / ref.abs().amax(-1)).max() < 0.05
+
+
+@torch.no_grad()
+def test_int8_target_verification_rows_equal_decoding_steps(int8_target, prompt_ids):
+    model = int8_target[0]
+    tokens = prompt_ids[0]
+    prefix, feed = tokens[:-16], tokens[-16:]
+    model.setup_cache(1, len(tokens) + 8)
+    model(torch.tensor([prefix]))
+    block = model(torch.tensor([feed]))[0]
+    model.rollback(len(prefix))
+    steps = torch.cat([model(torch.tensor([[t]]))[0] for t in feed])
+    assert torch.equal(block, steps)
+
+
+@torch.no_grad()
+def test_int8_agrees_with_fp32_on_fp32_answers(smol, int8_target, prompt_ids):
+    """Teacher-forced on fp32's own greedy answers: int8's greedy token is fp32's at most positions."""
+    fp32, tok, model_dir = smol
+    ar = make_runner("ar", fp32, tok, model_dir)
+    agree = []
+    for ids in (prompt_ids[0], prompt_ids[-1]):
+        seq = ids + ar(ids, max_new_tokens=32).token_ids
+        logits = []
+        for model in (fp32, int8_target[0]):
+            model.setup_cache(1, len(seq) + 8)
+            logits.append(model(torch.tensor([seq]))[0, len(ids) - 1:-1].argmax(-1))
+        agree.append((logits[0] == logits[1]).float().mean().item())
+    assert min(agree) >= 0.85, agree
+
+
+@pytest.mark.parametrize("method", ["ngram", "d3d", "d3d-async"])
+def test_int8_speculative_methods_equal_int8_plain_decoding(int8_target, prompt_ids, method):
+    model, tok, model_dir = int8_target
+    ar = make_runner("ar", model, tok, model_dir)
+    spec = make_runner(method, model, tok, model_dir)
+    for ids in (prompt_ids[0], prompt_ids[-1]):
+        assert spec(ids, max_new_tokens=40).token_ids == ar(ids, max_new_tokens=40).token_ids
+
+
+def test_unknown_quantize_mode_is_a_clear_error():
+    with pytest.raises(D3DError, match="unknown --quantize mode 'int3'"):
+        apply_quantize(nn.Linear(2, 2), "int3", None)
