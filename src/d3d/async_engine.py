@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from .drafter import Drafter, draft_generator, sample_draft
-from .engine import GenerationResult, LogprobRecorder, StopChecker, commit_round, sync_device, validate_request
+from .engine import (GenerationResult, LogprobRecorder, StopChecker, commit_first, commit_round, sync_device,
+                     validate_request)
 from .packed import keep_prefix, likely_candidates, packed_draft, prefill
 from .target import D3DError
 from .verify import SamplingParams, make_generator, next_token, verify
@@ -216,12 +217,7 @@ def generate_async(model, tokenizer, prompt_ids: list[int], params: SamplingPara
         res.prefill_s = (_now_us() - t0) / 1e6
         start = _now_us()
         tokens = list(prompt_ids) + [first]
-        chunk, reason = stopper.clip([], [first])
-        res.token_ids = chunk
-        if logprobs is not None:
-            logprobs.add(logits[0, -1:], chunk)
-        if on_round is not None:
-            on_round(chunk, 0)
+        reason = commit_first(res, stopper, first, logits[0, -1:], on_round, logprobs)
         block = None
         while reason is None:
             remaining = max_new_tokens - len(res.token_ids)

@@ -156,6 +156,19 @@ def commit_round(res: GenerationResult, stopper: StopChecker, tokens: list[int],
     return reason
 
 
+def commit_first(res: GenerationResult, stopper: StopChecker, first: int, row: torch.Tensor, on_round=None,
+                 logprobs: LogprobRecorder | None = None) -> str | None:
+    """Start the output with the prefill's token (`row`: its logits, [1, V]); report it to `on_round` as a
+    round with accepted=0. Returns the finish reason or None."""
+    chunk, reason = stopper.clip([], [first])
+    res.token_ids = chunk
+    if logprobs is not None:
+        logprobs.add(row, chunk)
+    if on_round is not None:
+        on_round(chunk, 0)
+    return reason
+
+
 def sync_device(device) -> None:
     if str(device).startswith("cuda"):
         torch.cuda.synchronize(device)
@@ -195,12 +208,7 @@ def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams | N
     t1 = time.perf_counter()
     res.prefill_s = t1 - t0
     tokens = list(prompt_ids) + [first]
-    chunk, reason = stopper.clip([], [first])
-    res.token_ids = chunk
-    if logprobs is not None:
-        logprobs.add(logits[0, -1:], chunk)
-    if on_round is not None:
-        on_round(chunk, 0)
+    reason = commit_first(res, stopper, first, logits[0, -1:], on_round, logprobs)
     while reason is None:
         if proposer is None:
             logits = model(torch.tensor([[tokens[-1]]], device=device))
