@@ -12,8 +12,8 @@ import d3d.tree
 from d3d.drafter import D3DProposer
 from d3d.engine import generate
 from d3d.methods import make_runner
-from d3d.tree import (Candidate, TokenTree, TreeDraft, TreeProposer, choose_budget, compact_cache,
-                      generate_tree, ngram_continuations, tree_logits, tree_mask, tree_positions, verify_tree)
+from d3d.tree import (Candidate, TokenTree, TreeDraft, TreeProposer, WidthCost, choose_budget, compact_cache,
+                      generate_tree, ngram_continuations, tree_logits, tree_mask, tree_positions)
 from d3d.verify import SamplingParams, probs_from_logits, sample
 from sampling_law import EOS, V, StubTokenizer, chi2_pvalue, draw, exact_law, tiny_drafter, tiny_model
 
@@ -113,6 +113,16 @@ def test_choose_budget_from_the_cost_curve():
     assert choose_budget(curve) == 32
     assert choose_budget(curve, max_ratio=1.1) == 16
     assert choose_budget({w: float(w) for w in curve}) == 16  # compute-bound: no wider than a block
+
+
+def test_width_cost_picks_the_best_expected_throughput():
+    cost = WidthCost({1: 1.0, 2: 2.0, 4: 2.2, 8: 2.4})
+    assert cost(3) == pytest.approx(2.1) and cost(16) == pytest.approx(2.8)
+    assert cost.best_width([0.9, 0.8, 0.7, 0.01]) == 4  # 3.4 / 2.2 beats 1 / 1, 2.7 / 2.1 and 3.41 / 2.25
+    assert cost.best_width([0.3, 0.2]) == 1             # a wider forward would not pay for itself
+    assert WidthCost(cost.curve, overhead=3.0).best_width([0.3, 0.2]) == 3  # unless drafting dominates
+    flat = WidthCost({1: 1.0, 64: 1.0})
+    assert flat.best_width([0.01] * 20) == 21
 
 
 # --------------------------------------------------------------------------------------------

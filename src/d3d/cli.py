@@ -199,8 +199,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
                 "dflash_drafter": args.dflash_drafter, "ar_drafter": args.ar_drafter,
                 "drafter_weights": {m: weights_fingerprint(p) for m, p in drafters.items() if p is not None},
                 "benchmarks": list(prompts), "limit": args.limit, "quick": args.quick}
-    if "d3d-tree" in runners:  # the budget it ran with (given, or chosen from this device's cost curve)
-        settings["tree_budget"] = runners["d3d-tree"].keywords["proposer"].budget
+    if "d3d-tree" in runners:  # the budget it ran with, and the cost curve it was fitted to (if not fixed)
+        tree = runners["d3d-tree"].keywords["proposer"]
+        settings["tree_budget"] = tree.budget
+        settings["tree_width_cost_s"] = None if tree.cost is None else tree.cost.curve
     journal = out.with_name(out.name + ".journal")
     report = run_bench(model, tok, runners, prompts, params, args.max_new_tokens, raw=args.raw,
                        save_outputs=args.save_outputs, block_size=args.block_size, journal=journal,
@@ -421,8 +423,8 @@ def _add_target_args(p: argparse.ArgumentParser, device: bool = True) -> None:
 
 def _add_tree_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-budget", type=int, default=None,
-                   help="d3d-tree: tokens per verified tree (default: chosen from this device's cost of a target "
-                        "forward vs its width, measured once)")
+                   help="d3d-tree: a fixed number of tokens per verified tree (default: fitted to this device's "
+                        "measured cost of a target forward vs its width, see d3d.tree.auto_tree)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, seed: int | None) -> None:

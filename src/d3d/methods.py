@@ -13,10 +13,7 @@ from .engine import GenerationResult, generate
 from .ngram import NgramProposer
 from .target import D3DError
 
-METHODS = ("ar", "ngram", "ar-draft", "dflash", "d3d", "d3d-async", "hf", "hf-lookup", "llama-cpp", "llama-cpp-q8",
-           "d3d-tree")
-# llama.cpp references: the GGUF weight type each runs on
-LLAMA_CPP_WEIGHTS = {"llama-cpp": "f32", "llama-cpp-q8": "q8_0"}
+METHODS = ("ar", "ngram", "ar-draft", "dflash", "d3d", "d3d-async", "hf", "hf-lookup", "d3d-tree")
 # baselines' drafters ship beside the D3D one, under the target's name + this suffix
 BASELINE_SUFFIX = {"ar-draft": "-ar", "dflash": "-dflash"}
 DEFAULT_DRAFTERS = Path(__file__).parent / "assets" / "drafters"
@@ -28,7 +25,7 @@ Runner = Callable[..., GenerationResult]
 def make_runner(method: str, model, tokenizer, model_dir: Path, drafter: str | Path | None = None,
                 block_size: int = 16, draft_device: str | None = None, tree_budget: int | None = None) -> Runner:
     """A function (prompt_ids, params=..., max_new_tokens=..., stop=...) -> GenerationResult.
-    tree_budget: tokens per verified tree for d3d-tree (None = chosen from this device's cost curve)."""
+    tree_budget: tokens per verified tree for d3d-tree, fixed (None = fitted to this device: d3d.tree.auto_tree)."""
     if method == "ar":
         return partial(generate, model, tokenizer)
     if method == "ngram":
@@ -39,11 +36,11 @@ def make_runner(method: str, model, tokenizer, model_dir: Path, drafter: str | P
         proposer = D3DProposer(d, model.args.vocab_size, max_len=model.args.max_seq_len)
         return partial(generate, model, tokenizer, proposer=proposer, block_size=d.block_size)
     if method == "d3d-tree":
-        from .tree import TreeProposer, auto_budget, generate_tree
+        from .tree import TreeProposer, auto_tree, generate_tree
 
         d = _d3d_kind(load_drafter(path, model, tokenizer, device=_device_of(model)))
         proposer = D3DProposer(d, model.args.vocab_size, max_len=model.args.max_seq_len)
-        tree = TreeProposer(proposer, tree_budget or auto_budget(model, d.block_size))
+        tree = TreeProposer(proposer, tree_budget) if tree_budget else auto_tree(model, proposer)
         return partial(generate_tree, model, tokenizer, proposer=tree, max_depth=d.block_size - 1)
     if method in BASELINE_SUFFIX:
         from .ardraft import ARDraftProposer
@@ -60,11 +57,6 @@ def make_runner(method: str, model, tokenizer, model_dir: Path, drafter: str | P
         from .hf import HFRunner, load_hf_model
 
         return HFRunner(load_hf_model(model_dir, _device_of(model)), tokenizer, prompt_lookup=method == "hf-lookup")
-    if method in LLAMA_CPP_WEIGHTS:
-        from .llamacpp import LlamaCppRunner, reference_gguf
-
-        return LlamaCppRunner(reference_gguf(model_dir, LLAMA_CPP_WEIGHTS[method]), tokenizer,
-                              threads=torch.get_num_threads(), context=model.args.max_seq_len)
     if method == "d3d-async":
         d = _d3d_kind(load_drafter(path, model, tokenizer, device=draft_device or _device_of(model)))
         run = partial(generate_async, model, tokenizer, drafter=d, draft_device=draft_device)

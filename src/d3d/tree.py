@@ -113,21 +113,28 @@ class TreeDraft:
                 child = len(self.nodes)
                 parent.children[tok] = child
                 self.nodes.append(_Node(tok, node, parent.depth + 1, reach, {source}))
+            elif source not in self.nodes[child].sources:  # independent evidence for the same token
+                self.nodes[child].score = 1 - (1 - self.nodes[child].score) * (1 - reach)
+                self.nodes[child].sources.add(source)
             else:
                 self.nodes[child].score = max(self.nodes[child].score, reach)
-                self.nodes[child].sources.add(source)
             node = child
             reach = self.nodes[node].score
             out.append(node)
         return out
 
-    def select(self, budget: int, max_depth: int) -> TokenTree:
-        """The `budget` best nodes (root included, none deeper than max_depth) as a flat tree. A child never
-        scores above its parent and ties go to the shallower node, so the kept set is ancestor-closed."""
+    def select(self, budget: int, max_depth: int, cost: "WidthCost | None" = None) -> TokenTree:
+        """The best nodes (root included, none deeper than max_depth) as a flat tree: the `budget` best, or,
+        given the cost of a target forward by width, the best prefix of those by expected tokens per second
+        (see WidthCost.best_width). A child never scores above its parent and ties go to the shallower node,
+        so the kept set is ancestor-closed."""
         for n in self.nodes[1:]:
             n.score = min(n.score, self.nodes[n.parent].score)
         order = sorted(range(1, len(self.nodes)), key=lambda i: (-self.nodes[i].score, self.nodes[i].depth, i))
-        kept = [0] + [i for i in order if self.nodes[i].depth <= max_depth][:max(0, budget - 1)]
+        fits = [i for i in order if self.nodes[i].depth <= max_depth][:max(0, budget - 1)]
+        if cost is not None:
+            fits = fits[:cost.best_width([self.nodes[i].score for i in fits]) - 1]
+        kept = [0] + fits
         flat = {old: new for new, old in enumerate(kept)}
         cands = []
         for old in kept:
@@ -277,11 +284,11 @@ class TreeProposer:
     name = "d3d-tree"
 
     def __init__(self, drafter: D3DProposer | None, budget: int = 32, alternatives: int = 2, alt_tail: int = 3,
-                 ngram_matches: int = 4, max_ngram: int = 3):
+                 ngram_matches: int = 4, max_ngram: int = 3, cost: "WidthCost | None" = None):
         if budget < 1:
             raise D3DError(f"tree budget must be >= 1 (got {budget})")
         self.d3d, self.budget, self.alternatives, self.alt_tail = drafter, budget, alternatives, alt_tail
-        self.ngram_matches, self.max_ngram = ngram_matches, max_ngram
+        self.ngram_matches, self.max_ngram, self.cost = ngram_matches, max_ngram, cost
         self.params = SamplingParams()
 
     def reset(self, prompt_ids: list[int]) -> None:
@@ -292,13 +299,13 @@ class TreeProposer:
     def build(self, tokens: list[int], k: int) -> TokenTree:
         """The tree for the round after `tokens` (ending with the pending token), at most k deep."""
         draft = TreeDraft(tokens[-1])
+        matches = ngram_continuations(tokens, k, self.ngram_matches, self.max_ngram) if k > 0 else []
         if k > 0 and self.d3d is not None:
             self._add_drafter(draft, d3d_block(self.d3d, tokens, k, self.params, self.alternatives + 1))
-        if k > 0:
-            for n, follow in ngram_continuations(tokens, k, self.ngram_matches, self.max_ngram):
-                conf = NGRAM_CONFIDENCE[min(n, max(NGRAM_CONFIDENCE))]
-                draft.add(follow, [conf] * len(follow), "ngram")
-        return draft.select(self.budget, k)
+        for n, follow in matches:
+            conf = NGRAM_CONFIDENCE[min(n, max(NGRAM_CONFIDENCE))]
+            draft.add(follow, [conf] * len(follow), "ngram")
+        return draft.select(self.budget, k, self.cost)
 
     def _add_drafter(self, draft: TreeDraft, block: SlotBlock) -> None:
         conf = [p[0] for p in block.top_probs]  # the slot's largest probability, never the sampled token's
@@ -413,6 +420,38 @@ def width_cost_curve(model, widths: tuple[int, ...] = WIDTHS, context: int = 256
     return curve
 
 
+class WidthCost:
+    """Seconds of a target forward by width (linear between measured widths), and the width that
+    maximises expected tokens per second of a round."""
+
+    def __init__(self, curve: dict[int, float], overhead: float = 0.0):
+        self.widths = sorted(curve)
+        self.curve, self.overhead = curve, overhead
+
+    def __call__(self, width: int) -> float:
+        ws = self.widths
+        lo = max([w for w in ws if w <= width], default=ws[0])
+        hi = min([w for w in ws if w >= width], default=ws[-1])
+        if lo == hi:
+            lo, hi = (ws[-2], ws[-1]) if width > ws[-1] else (lo, hi)
+        if lo == hi:
+            return self.curve[lo]
+        return self.curve[lo] + (width - lo) * (self.curve[hi] - self.curve[lo]) / (hi - lo)
+
+    def best_width(self, scores: list[float]) -> int:
+        """Nodes sorted by score (the chance that verification reaches them): the tree width T (root
+        included) maximising (1 + sum of the first T - 1 scores) / (cost(T) + overhead), i.e. expected
+        tokens of the round per second. overhead: the round's other costs (drafting)."""
+        best, best_rate, gain = 1, 0.0, 1.0
+        for t in range(1, len(scores) + 2):
+            if t > 1:
+                gain += scores[t - 2]
+            rate = gain / (self(t) + self.overhead)
+            if rate > best_rate:
+                best, best_rate = t, rate
+        return best
+
+
 def choose_budget(curve: dict[int, float], base: int = 16, max_ratio: float = 1.25) -> int:
     """The widest measured forward that costs at most `max_ratio` times a plain block of `base` tokens:
     beyond it, extra candidates would have to raise tau by more than the forward's extra cost."""
@@ -422,9 +461,9 @@ def choose_budget(curve: dict[int, float], base: int = 16, max_ratio: float = 1.
     return max(w for w, s in curve.items() if w <= base or s <= limit)
 
 
-def auto_budget(model, base: int = 16) -> int:
-    """choose_budget on this device's curve, measured once per (device, threads, model shape) and kept
-    in the d3d cache folder (width_cost.json)."""
+def cost_curve(model) -> dict[int, float]:
+    """width_cost_curve of this device, measured once per (device, dtype, threads, model shape) and kept in
+    the d3d cache folder (width_cost.json)."""
     p = next(model.parameters())
     a = model.args
     key = f"{p.device}|{p.dtype}|threads={torch.get_num_threads()}|{a.n_layers}x{a.dim}|vocab={a.vocab_size}"
@@ -434,4 +473,30 @@ def auto_budget(model, base: int = 16) -> int:
         known[key] = {str(w): s for w, s in width_cost_curve(model).items()}
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(known, indent=1) + "\n")
-    return choose_budget({int(w): s for w, s in known[key].items()}, base)
+    return {int(w): s for w, s in known[key].items()}
+
+
+@torch.no_grad()
+def drafter_cost(proposer: D3DProposer, context: int = 256, repeats: int = 3) -> float:
+    """Median seconds of one synchronous D3D draft after `context` tokens (one new token per draft)."""
+    d = proposer.drafter
+    d.setup_cache(1, context + d.block_size + 2)
+    d.cached_tokens = []
+    text = [0] * context
+    d.draft_block(text)
+    times = []
+    for i in range(repeats):
+        text[-1] = 1 + i % 2  # the last token changes: each draft feeds it again, as a round does
+        t0 = time.perf_counter()
+        d.draft_block(text)
+        sync_device(d.draft_ids.device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def auto_tree(model, proposer: D3DProposer) -> TreeProposer:
+    """A TreeProposer fitted to this device: its budget from choose_budget on the cost curve, and each
+    round's width chosen by WidthCost.best_width with the drafter's own cost as overhead."""
+    curve = cost_curve(model)
+    base = proposer.drafter.block_size
+    return TreeProposer(proposer, choose_budget(curve, base), cost=WidthCost(curve, drafter_cost(proposer)))
