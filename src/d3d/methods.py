@@ -13,7 +13,10 @@ from .engine import GenerationResult, generate
 from .ngram import NgramProposer
 from .target import D3DError
 
-METHODS = ("ar", "ngram", "ar-draft", "dflash", "d3d", "d3d-async", "hf", "hf-lookup", "d3d-tree")
+METHODS = ("ar", "ngram", "ar-draft", "dflash", "d3d", "d3d-async", "hf", "hf-lookup", "llama-cpp", "llama-cpp-q8",
+           "d3d-tree")
+# llama.cpp references: the GGUF weight type each runs on
+LLAMA_CPP_WEIGHTS = {"llama-cpp": "f32", "llama-cpp-q8": "q8_0"}
 # baselines' drafters ship beside the D3D one, under the target's name + this suffix
 BASELINE_SUFFIX = {"ar-draft": "-ar", "dflash": "-dflash"}
 DEFAULT_DRAFTERS = Path(__file__).parent / "assets" / "drafters"
@@ -57,6 +60,11 @@ def make_runner(method: str, model, tokenizer, model_dir: Path, drafter: str | P
         from .hf import HFRunner, load_hf_model
 
         return HFRunner(load_hf_model(model_dir, _device_of(model)), tokenizer, prompt_lookup=method == "hf-lookup")
+    if method in LLAMA_CPP_WEIGHTS:
+        from .llamacpp import LlamaCppRunner, reference_gguf
+
+        return LlamaCppRunner(reference_gguf(model_dir, LLAMA_CPP_WEIGHTS[method]), tokenizer,
+                              threads=torch.get_num_threads(), context=model.args.max_seq_len)
     if method == "d3d-async":
         d = _d3d_kind(load_drafter(path, model, tokenizer, device=draft_device or _device_of(model)))
         run = partial(generate_async, model, tokenizer, drafter=d, draft_device=draft_device)
