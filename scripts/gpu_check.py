@@ -9,6 +9,7 @@ each). overlap = (verify + draft - both) / min(verify, draft): 1 means the short
     python scripts/gpu_check.py --shape qwen3-8b --device cuda:0                  # one GPU, two streams
     python scripts/gpu_check.py --shape qwen3-8b --device cuda:0 --draft-device cuda:1
     python scripts/gpu_check.py --shape smollm2 --device cpu --iters 5            # this CPU
+    python scripts/gpu_check.py --shape qwen3-8b --device cuda:0 --decode           # + decode vs bandwidth
 """
 from __future__ import annotations
 
@@ -72,6 +73,10 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", default=None, help="also write the table as JSON here")
+    ap.add_argument("--decode", action="store_true",
+                    help="also time plain decoding (one token per step), eager and torch.compile'd, as a "
+                         "fraction of the memory bandwidth --peak-gbs")
+    ap.add_argument("--peak-gbs", type=float, default=4800.0, help="memory bandwidth (default: H200's 4.8 TB/s)")
     ap.add_argument("--levers", action="store_true",
                     help="also time the packed pass's cost levers (LM head, candidates, successor slots, vocabulary)")
     args = ap.parse_args()
@@ -144,12 +149,39 @@ def main() -> None:
             "gpu": torch.cuda.get_device_name(dev) if dev.startswith("cuda") else None}
     if args.levers:
         rows["levers_ms"] = levers(drafter, target, V, L, B, ddev, args.iters)
+    if args.decode:
+        rows["decode"] = decode_rates(target, L, dev, args.iters, args.peak_gbs)
     width = max(len(k) for k in rows)
     for k, v in rows.items():
         print(f"{k.ljust(width)}  {v}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows | {"command": "python " + " ".join(sys.argv)}, f, indent=1)
+
+
+@torch.no_grad()
+def decode_rates(target: Transformer, L: int, dev: str, iters: int, peak_gbs: float) -> dict:
+    """Plain decoding after L cached tokens: ms per token, weight bytes streamed per token (every
+    parameter once; the tied embedding counted once) over that time, eager and compiled. Compilation
+    time is reported too (dynamic shapes: the cache length grows every step)."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in {p.data_ptr(): p for p in target.parameters()}.values())
+    token = torch.zeros(1, 1, dtype=torch.long, device=dev)
+    out = {"weight_gb": round(weight_bytes / 1e9, 3), "peak_gbs": peak_gbs}
+    for name, fn in (("eager", target), ("compiled", torch.compile(target, dynamic=True))):
+        t0 = time.perf_counter()
+        fn(token)  # compiles on first call
+        sync(dev)
+        compile_s = time.perf_counter() - t0
+        target.rollback(L)
+
+        def step() -> None:
+            fn(token)
+            target.rollback(L)
+        t = timed(step, dev, iters)
+        gbs = weight_bytes / t / 1e9
+        out[name] = {"ms_per_token": round(1000 * t, 3), "tokens_per_s": round(1 / t, 1), "gb_per_s": round(gbs, 1),
+                     "fraction_of_peak": round(gbs / peak_gbs, 3), "first_call_s": round(compile_s, 1)}
+    return out
 
 
 def levers(drafter: Drafter, target: Transformer, V: list[int], L: int, B: int, dev: str, iters: int) -> dict:

@@ -199,3 +199,31 @@ def test_sliding_window_caps_the_context():
     assert ModelArgs.from_hf_config(base | {"sliding_window": None}).max_seq_len == 8192
     qwen2 = base | {"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False}
     assert ModelArgs.from_hf_config(qwen2).max_seq_len == 8192
+
+
+@torch.no_grad()
+def test_greedy_choices_equal_the_committed_bench_outputs(smol):
+    """Runtime changes keep the outputs: fed the prompt and plain decoding's committed answer
+    (results/bench_full_t0_cpu.json, 256 tokens, made by an earlier runtime), the model's greedy token
+    at every position is the committed next token (first two prompts of each benchmark, first turn)."""
+    import json
+    from pathlib import Path
+
+    from d3d.bench import encode_chat
+    from d3d.prompts import MultiTurn, benchmark_prompts
+
+    model, tok, _ = smol
+    report = json.loads((Path(__file__).parents[1] / "results" / "bench_full_t0_cpu.json").read_text())
+    rows = [r for r in report["per_prompt"] if r["method"] == "ar" and r.get("turn", 1) == 1]
+    checked = 0
+    for benchmark in report["settings"]["benchmarks"]:
+        items = benchmark_prompts(benchmark, 2)
+        for row in [r for r in rows if r["benchmark"] == benchmark][:2]:
+            item = items[row.get("item", row["prompt_index"])]
+            ids = encode_chat(tok, [{"role": "user", "content": item.turns[0] if isinstance(item, MultiTurn) else item}])
+            seq = ids + row["token_ids"]
+            model.setup_cache(1, len(seq) + 1)
+            greedy = model(torch.tensor([seq[:-1]]))[0, len(ids) - 1:].argmax(-1).tolist()
+            assert greedy == row["token_ids"], (benchmark, row["prompt_index"])
+            checked += 1
+    assert checked == 10

@@ -134,13 +134,14 @@ def _block_size(runner, default: int) -> int:
 
 
 def load(target: str | None = None, method: str = BEST_METHOD, drafter: str | None = None,
-         threads: int | None = None, device: str = "cpu", block_size: int = 16) -> Generator:
+         threads: int | None = None, device: str = "cpu", block_size: int = 16,
+         quantize: str | None = None) -> Generator:
     """Load a target and a decoding method; returns a Generator (see Generator.generate).
 
     target: a Hugging Face model folder or .gguf file (None = the embedded SmolLM2-135M-Instruct);
     method: one of d3d.methods.METHODS (default: BEST_METHOD); drafter: checkpoint for drafter-based
     methods (None = the one shipped for the target); threads: torch CPU threads (None = leave torch's
-    setting alone; it is process-wide)."""
+    setting alone; it is process-wide); quantize: None (fp32) or "int8" (target and drafter)."""
     methods = parse_methods(method)
     if len(methods) != 1:
         raise D3DError("load takes exactly one method")
@@ -150,6 +151,6 @@ def load(target: str | None = None, method: str = BEST_METHOD, drafter: str | No
         torch.set_num_threads(threads)
     if drafter is not None and not Path(drafter).expanduser().exists():
         raise D3DError(f"drafter path does not exist: {drafter}")
-    model, tok, model_dir = load_target(target, device)
+    model, tok, model_dir = load_target(target, device, quantize=quantize)
     runner = make_runner(methods[0], model, tok, model_dir, drafter=drafter, block_size=block_size)
     return Generator(model, tok, model_dir, methods[0], runner, _block_size(runner, block_size))

@@ -59,12 +59,12 @@ def _check_tree_budget(tree_budget: int | None) -> None:
         raise D3DError(f"--tree-budget must be >= 1 (got {tree_budget})")
 
 
-def _load_target(target: str | None, device: str = "cpu"):
+def _load_target(target: str | None, device: str = "cpu", quantize: str | None = None):
     """load_target, with any failure to read the checkpoint reported as a user error."""
     from .target import load_target
 
     try:
-        return load_target(target, device)
+        return load_target(target, device, quantize=quantize)
     except D3DError:
         raise
     except (OSError, ValueError, KeyError, RuntimeError, TypeError) as e:
@@ -126,7 +126,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if args.trace and method != "d3d-async":
         raise D3DError("--trace records the rounds of --method d3d-async")
 
-    model, tok, model_dir = _load_target(args.target, args.device)
+    model, tok, model_dir = _load_target(args.target, args.device, args.quantize)
     runner = make_runner(method, model, tok, model_dir, drafter=_drafter_for(method, args), block_size=args.block_size,
                          draft_device=args.draft_device, tree_budget=args.tree_budget)
     extra = {"trace": []} if args.trace else {}
@@ -189,7 +189,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     except OSError as e:
         raise D3DError(f"cannot create the folder of --out {out}: {e.strerror or e}") from None
 
-    model, tok, model_dir = _load_target(args.target, args.device)
+    model, tok, model_dir = _load_target(args.target, args.device, args.quantize)
     drafters = {m: drafter_path(m, model_dir, _drafter_for(m, args)) for m in methods}
     runners = {m: make_runner(m, model, tok, model_dir, drafter=drafters[m], block_size=args.block_size,
                               tree_budget=args.tree_budget) for m in methods}
@@ -198,17 +198,24 @@ def cmd_bench(args: argparse.Namespace) -> None:
                 "raw": args.raw, "target": args.target, "drafter": args.drafter,
                 "dflash_drafter": args.dflash_drafter, "ar_drafter": args.ar_drafter,
                 "drafter_weights": {m: weights_fingerprint(p) for m, p in drafters.items() if p is not None},
-                "benchmarks": list(prompts), "limit": args.limit, "quick": args.quick}
+                "benchmarks": list(prompts), "limit": args.limit, "quick": args.quick, "quantize": args.quantize}
     if "d3d-tree" in runners:  # the budget it ran with, and the cost curve it was fitted to (if not fixed)
         tree = runners["d3d-tree"].keywords["proposer"]
         settings["tree_budget"] = tree.budget
         settings["tree_width_cost_s"] = None if tree.cost is None else tree.cost.curve
+    curve = None
+    if args.cost_curve:
+        from .tree import width_cost_curve
+
+        curve = {str(w): round(t, 5) for w, t in width_cost_curve(model).items()}
+        print("target forward cost vs width (tokens fed after 256 cached: seconds, x one token): " + ", ".join(
+            f"{w}: {t * 1e3:.1f} ms ({t / curve['1']:.2f}x)" for w, t in curve.items()), flush=True)
     journal = out.with_name(out.name + ".journal")
     report = run_bench(model, tok, runners, prompts, params, args.max_new_tokens, raw=args.raw,
                        save_outputs=args.save_outputs, block_size=args.block_size, journal=journal,
                        header={**settings, "device": args.device, "threads": torch.get_num_threads()})
     report = {"machine": machine_info(args.device), "command": "d3d " + shlex.join(args.argv),
-              "settings": settings, **report}
+              "settings": settings, **({"cost_curve_s": curve} if curve else {}), **report}
     atomic_write_json(out, report)
     journal.unlink()
     print(format_table(report["results"]))
@@ -400,7 +407,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     _check_device(args.device)
     _check_drafter(args.drafter)
     check_address(args.host, args.port)
-    gen = load(args.target, args.method or BEST_METHOD, args.drafter, device=args.device, block_size=args.block_size)
+    gen = load(args.target, args.method or BEST_METHOD, args.drafter, device=args.device, block_size=args.block_size,
+               quantize=args.quantize)
     key = args.api_key or os.environ.get("D3D_API_KEY") or None
     print(f"d3d serve: {gen.name} with method {gen.method} on http://{args.host}:{args.port} "
           f"(web page at /, OpenAI API at /v1; API key {'required' if key else 'not required'})",
@@ -419,6 +427,8 @@ def _add_target_args(p: argparse.ArgumentParser, device: bool = True) -> None:
         p.add_argument("--ar-drafter", default=None, help="drafter checkpoint for ar-draft")
         p.add_argument("--block-size", type=int, default=16, help="tokens verified per target forward")
         p.add_argument("--device", default="cpu")
+        p.add_argument("--quantize", choices=["int8"], default=None,
+                       help="int8 weights for target and drafter (CPU, fbgemm); default: fp32")
 
 
 def _add_tree_args(p: argparse.ArgumentParser) -> None:
@@ -462,6 +472,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--limit", type=int, default=None, help="first N prompts of each benchmark")
     b.add_argument("--save-outputs", action="store_true", help="also store token ids and text per prompt")
     b.add_argument("--out", required=True, help="output JSON file (an interrupted run resumes from OUT.journal)")
+    b.add_argument("--cost-curve", action="store_true",
+                   help="first measure one target forward vs its width (1-64 tokens) and record it")
     b.add_argument("--quick", action="store_true",
                    help=f"smoke run: {QUICK_LIMIT} prompt per benchmark, {QUICK_NEW_TOKENS} new tokens "
                         f"(unless --limit / --max-new-tokens say otherwise)")
