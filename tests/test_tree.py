@@ -10,7 +10,7 @@ import torch
 
 import d3d.tree
 from d3d.drafter import D3DProposer
-from d3d.engine import generate
+from d3d.engine import LogprobRecorder, generate
 from d3d.methods import make_runner
 from d3d.tree import (Candidate, TokenTree, TreeDraft, TreeProposer, WidthCost, choose_budget, compact_cache,
                       generate_tree, ngram_continuations, tree_logits, tree_mask, tree_positions)
@@ -143,8 +143,10 @@ def test_greedy_equals_plain_decoding_on_real_prompts(smol, prompt_ids, short_an
     ar = generate(model, tok, short_answer_ids, GREEDY, 32)
     res = tree(short_answer_ids, params=GREEDY, max_new_tokens=32, stop=None)
     assert res.token_ids == ar.token_ids and res.finish_reason == ar.finish_reason == "eos"
-    res = tree(prompt_ids[0], params=GREEDY, max_new_tokens=5)
-    assert res.token_ids == generate(model, tok, prompt_ids[0], GREEDY, 5).token_ids
+    res = tree(prompt_ids[0], params=GREEDY, max_new_tokens=5, logprobs=LogprobRecorder())
+    ar = generate(model, tok, prompt_ids[0], GREEDY, 5, logprobs=LogprobRecorder())
+    assert res.token_ids == ar.token_ids
+    assert [e.logprob for e in res.logprobs] == pytest.approx([e.logprob for e in ar.logprobs], abs=1e-3)
 
 
 # --------------------------------------------------------------------------------------------

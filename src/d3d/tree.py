@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .drafter import D3DProposer, sample_draft
-from .engine import GenerationResult, StopChecker, commit_round, sync_device, validate_request
+from .engine import (GenerationResult, LogprobRecorder, StopChecker, commit_first, commit_round, sync_device,
+                     validate_request)
 from .target import D3DError, cache_dir
 from .verify import SamplingParams, make_generator, next_token, probs_from_logits, sample
 
@@ -346,7 +347,8 @@ def _branch(tree: TokenTree, path: list[int]) -> str:
 @torch.no_grad()
 def generate_tree(model, tokenizer, prompt_ids: list[int], params: SamplingParams | None = None,
                   max_new_tokens: int = 128, proposer: TreeProposer | None = None, max_depth: int = 15,
-                  stop: list[str] | None = None, on_round=None, logprobs=None) -> TreeGenerationResult:
+                  stop: list[str] | None = None, on_round=None,
+                  logprobs: LogprobRecorder | None = None) -> TreeGenerationResult:
     """Speculative decoding with one token tree verified per target forward (at most `max_depth` drafts
     deep). on_round, logprobs: as in d3d.engine.generate."""
     if proposer is None:
@@ -368,12 +370,7 @@ def generate_tree(model, tokenizer, prompt_ids: list[int], params: SamplingParam
     t1 = time.perf_counter()
     res.prefill_s = t1 - t0
     tokens = list(prompt_ids) + [first]
-    chunk, reason = stopper.clip([], [first])
-    res.token_ids = chunk
-    if logprobs is not None:
-        logprobs.add(logits[0, -1:], chunk)
-    if on_round is not None:
-        on_round(chunk, 0)
+    reason = commit_first(res, stopper, first, logits[0, -1:], on_round, logprobs)
     while reason is None:
         k = min(max_depth, max_new_tokens - len(res.token_ids) - 1)
         tree = proposer.build(tokens, k)
@@ -385,8 +382,7 @@ def generate_tree(model, tokenizer, prompt_ids: list[int], params: SamplingParam
         res.acceptance_lengths.append(len(path) + 1)
         res.tree_sizes.append(len(tree))
         res.branches.append(_branch(tree, path))
-        extra = {} if logprobs is None else {"logprobs": logprobs, "rows": logits[[0] + path]}
-        reason = commit_round(res, stopper, tokens, chunk, on_round, **extra)
+        reason = commit_round(res, stopper, tokens, chunk, on_round, logprobs, logits[[0] + path])
     sync_device(device)
     res.decode_s = time.perf_counter() - t1
     res.finish_reason = reason
