@@ -23,7 +23,6 @@ its node's candidates, and node scores use the slot's largest probability, never
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -396,9 +395,10 @@ def generate_tree(model, tokenizer, prompt_ids: list[int], params: SamplingParam
 
 
 @torch.no_grad()
-def width_cost_curve(model, widths: tuple[int, ...] = WIDTHS, context: int = 256, repeats: int = 3) -> dict[int, float]:
-    """Median seconds of one target forward feeding `width` tokens after a cache of `context` tokens, for
-    each width. Every forward is rolled back, so the cache only ever holds the context."""
+def width_cost_curve(model, widths: tuple[int, ...] = WIDTHS, context: int = 256, repeats: int = 5) -> dict[int, float]:
+    """Seconds of one target forward feeding `width` tokens after a cache of `context` tokens, for each
+    width: the fastest of `repeats` runs (interference from other work only ever adds time). Every forward
+    is rolled back, so the cache only ever holds the context."""
     device = model.output.weight.device
     model.setup_cache(1, context + max(widths) + 1)
     model(torch.zeros(1, context, dtype=torch.long, device=device))
@@ -412,7 +412,7 @@ def width_cost_curve(model, widths: tuple[int, ...] = WIDTHS, context: int = 256
             sync_device(device)
             times.append(time.perf_counter() - t0)
             model.rollback(context)
-        curve[w] = statistics.median(times[1:])
+        curve[w] = min(times[1:])
     return curve
 
 
@@ -422,7 +422,7 @@ class WidthCost:
 
     def __init__(self, curve: dict[int, float], overhead: float = 0.0):
         self.widths = sorted(curve)
-        self.curve, self.overhead = curve, overhead
+        self.curve, self.overhead = monotone(curve), overhead
 
     def __call__(self, width: int) -> float:
         ws = self.widths
@@ -448,11 +448,22 @@ class WidthCost:
         return best
 
 
+def monotone(curve: dict[int, float]) -> dict[int, float]:
+    """The curve made non-decreasing in width (a running maximum): a wider forward that measured faster
+    than a narrower one did so by noise."""
+    out, top = {}, 0.0
+    for w in sorted(curve):
+        top = max(top, curve[w])
+        out[w] = top
+    return out
+
+
 def choose_budget(curve: dict[int, float], base: int = 16, max_ratio: float = 1.25) -> int:
     """The widest measured forward that costs at most `max_ratio` times a plain block of `base` tokens:
     beyond it, extra candidates would have to raise tau by more than the forward's extra cost."""
     if base not in curve:
         raise D3DError(f"the cost curve has no width {base}")
+    curve = monotone(curve)
     limit = max_ratio * curve[base]
     return max(w for w, s in curve.items() if w <= base or s <= limit)
 
@@ -474,7 +485,8 @@ def cost_curve(model) -> dict[int, float]:
 
 @torch.no_grad()
 def drafter_cost(proposer: D3DProposer, context: int = 256, repeats: int = 3) -> float:
-    """Median seconds of one synchronous D3D draft after `context` tokens (one new token per draft)."""
+    """Seconds of one synchronous D3D draft after `context` tokens (one new token per draft): the fastest
+    of `repeats`."""
     d = proposer.drafter
     d.setup_cache(1, context + d.block_size + 2)
     d.cached_tokens = []
@@ -487,7 +499,7 @@ def drafter_cost(proposer: D3DProposer, context: int = 256, repeats: int = 3) ->
         d.draft_block(text)
         sync_device(d.draft_ids.device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 def auto_tree(model, proposer: D3DProposer) -> TreeProposer:
