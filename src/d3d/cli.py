@@ -292,14 +292,22 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     if args.init:
         _check_drafter(args.init)
-    layers = _int_list(args.layers, "--layers")
+    if args.init_model is not None and (args.init or args.kind != "d3d"):
+        raise D3DError("--init-model builds a new d3d drafter: it excludes --init and --kind other than d3d")
+    if args.freeze_below < 0:
+        raise D3DError(f"--freeze-below must be >= 0 (got {args.freeze_below})")
+    if args.max_file_mb is not None and args.max_file_mb <= 0:
+        raise D3DError(f"--max-file-mb must be > 0 (got {args.max_file_mb})")
+    whole = args.init_model is not None
+    layers = None if whole and args.layers is None else _int_list(args.layers or "26,27,28,29", "--layers")
+    draft_vocab = args.draft_vocab if args.draft_vocab is not None else 0 if whole else 8192
     ar_weight = {"d3d": 0.5, "dflash": 0.0, "ar": 1.0}[args.kind] if args.ar_weight is None else args.ar_weight
     if not 0 <= args.layer_drop < 1:
         raise D3DError(f"--layer-drop must be in [0, 1) (got {args.layer_drop})")
     if args.kind == "ar" and ar_weight <= 0:
         raise D3DError("--kind ar trains with the next-token loss only: --ar-weight must be > 0")
     n = read_hf_config(resolve_target(args.target))["num_hidden_layers"]
-    if not all(0 <= i < n for i in layers):
+    if not whole and not all(0 <= i < n for i in layers):
         raise D3DError(f"--layers must lie in 0..{n - 1} (got {layers})")
     target_layers = None
     if args.kind == "dflash":
@@ -309,12 +317,14 @@ def cmd_train(args: argparse.Namespace) -> None:
             raise D3DError(f"--target-layers must lie in 0..{n - 1} (got {target_layers})")
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, ar_weight=ar_weight,
                       gamma=args.gamma, blocks_per_seq=0 if args.kind == "ar" else args.blocks_per_seq, seed=args.seed,
-                      warmup=args.warmup, max_prompt_tokens=args.max_prompt_tokens, layer_drop=args.layer_drop)
+                      warmup=args.warmup, max_prompt_tokens=args.max_prompt_tokens, layer_drop=args.layer_drop,
+                      freeze_below=args.freeze_below)
     run_dir = Path(args.run_dir or Path(args.out).with_name(Path(args.out).name + ".run"))
-    summary = train_drafter(args.target, Path(args.data), Path(args.out), run_dir, layers, args.draft_vocab,
+    summary = train_drafter(args.target, Path(args.data), Path(args.out), run_dir, layers, draft_vocab,
                             args.block_size, cfg, command="d3d " + shlex.join(args.argv),
                             max_shards=args.max_shards, kind=args.kind, target_layers=target_layers,
-                            init=Path(args.init) if args.init else None)
+                            init=Path(args.init) if args.init else None, init_model=args.init_model,
+                            max_file_mb=args.max_file_mb)
     before, after = summary["heldout_before"], summary["heldout_after"]
     tau = f"held-out teacher-forced tau {before['tau']} -> {after['tau']}, " if "tau" in after else ""
     print(f"{args.out}: {tau}held-out loss {before['loss']} -> {after['loss']}")
@@ -506,9 +516,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--data", default="data/distill")
     t.add_argument("--out", required=True, help="drafter folder to write (drafter.safetensors + drafter.json)")
     t.add_argument("--run-dir", default=None, help="checkpoints and history (default: OUT.run); reused to resume")
-    t.add_argument("--layers", default="26,27,28,29", help="target layers that initialise the drafter stack")
+    t.add_argument("--layers", default=None,
+                   help="target layers that initialise the drafter stack (default 26,27,28,29; "
+                        "with --init-model: layers of that model, default all)")
     t.add_argument("--init", default=None, help="fine-tune this drafter checkpoint instead of building a new one")
-    t.add_argument("--draft-vocab", type=int, default=8192, help="LM head rows (most frequent tokens); 0 = all")
+    t.add_argument("--init-model", nargs="?", const="target", default=None, metavar="PATH_OR_NAME",
+                   help="convert a whole pretrained causal LM with the target's tokenizer (a HF folder, a .gguf, "
+                        "or `target`, the default when the flag has no value) into a token-shift block-diffusion "
+                        "drafter; made from the target, layers kept frozen are stored as references (delta)")
+    t.add_argument("--freeze-below", type=int, default=0, help="keep drafter stack layers 0..N-1 frozen")
+    t.add_argument("--max-file-mb", type=float, default=None, help="split the weights into files of at most this size")
+    t.add_argument("--draft-vocab", type=int, default=None,
+                   help="LM head rows (most frequent tokens); 0 = all (default 8192; with --init-model 0)")
     t.add_argument("--block-size", type=int, default=16)
     t.add_argument("--steps", type=int, default=600)
     t.add_argument("--batch-size", type=int, default=8)

@@ -8,6 +8,12 @@ slots (bidirectionally). Slot 0 is the token right after the context. In synchro
 ends with the target's bonus token and slots 0..B-2 are the draft; in asynchronous D3D the context
 ends at the last accepted draft token, slot 0 lands on the bonus position and is replaced by the bonus.
 Training (d3d.train) uses exactly this layout.
+
+Token shift (cfg.shift, for drafters converted from a whole pretrained causal LM, as in Fast-dLLM v2):
+the hidden state at position p predicts token p + 1, so the pretrained LM head keeps its meaning. The
+block after a context ending at c is [clean token c, MASK x (B-1)]: slot 0 is the clean, causal state
+at c (exactly the pretrained model's next-token prediction) and the mask at c + k (k >= 1) predicts
+token c + 1 + k. Slot k still predicts token c + 1 + k, so every caller indexes slots the same way.
 """
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from .quantize import apply_quantize
-from .target import D3DError, ModelArgs, Transformer, decode_layout, rope_frequencies
+from .target import D3DError, ModelArgs, Transformer, pack_linears, rope_frequencies
 from .verify import SamplingParams
 
 CONFIG_NAME = "drafter.json"
@@ -34,8 +40,12 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def weights_fingerprint(drafter_dir: str | Path) -> str:
-    """First 16 hex digits of the sha256 of a drafter's weights: which checkpoint a result came from."""
-    return hashlib.sha256((Path(drafter_dir) / WEIGHTS_NAME).read_bytes()).hexdigest()[:16]
+    """First 16 hex digits of the sha256 of a drafter's weights (its weight files in order): which
+    checkpoint a result came from."""
+    h = hashlib.sha256()
+    for f in weight_files(drafter_dir):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 @dataclass
@@ -48,6 +58,10 @@ class DrafterConfig:
     training: dict = field(default_factory=dict)           # what produced the weights (data, steps, loss)
     kind: str = "d3d"             # d3d (block diffusion), dflash (target-conditioned), ar (causal drafter)
     target_layers: list[int] = field(default_factory=list)  # dflash: target layers whose states it reads
+    shift: bool = False           # token shift: slot 0 is the clean last token's causal state (see module doc)
+    from_target: list[int] = field(default_factory=list)    # stack layers equal to target layer init_layers[i]:
+    #                               frozen in training, not stored, shared with the target at load time
+    own_embeddings: bool = False  # embedding and LM head stored (initialised from another model than the target)
 
     @property
     def model_args(self) -> ModelArgs:
@@ -89,18 +103,26 @@ class Drafter(Transformer):
         del self.cached_tokens[n:]
         return tokens[n:]
 
+    @property
+    def mask_slots(self) -> int:
+        """Mask tokens fed per block: B, or B - 1 with token shift (slot 0 is then the last clean token)."""
+        return self.block_size - 1 if self.cfg.shift else self.block_size
+
     @torch.no_grad()
     def draft_block(self, tokens: list[int]) -> torch.Tensor:
         """Make the cache hold `tokens` (the verified text) and draft the B slots after it in the same
-        forward pass. Returns draft-vocabulary logits [B, V_draft]; the cache keeps only `tokens`."""
+        forward pass. Returns draft-vocabulary logits [B, V_draft] (slot k predicts the token k + 1 after
+        the last of `tokens`); the cache keeps only `tokens`."""
         new = self.sync_context(tokens)
-        B, n, L = self.block_size, len(new), self.cache_len
+        if self.cfg.shift and not new:  # slot 0 is the last token's state: feed it again
+            new = self.sync_context(tokens[:-1]) + tokens[-1:]
+        n, L, B = len(new), self.cache_len, self.mask_slots
         device = self.draft_ids.device
         feed = torch.tensor([new + [self.mask_id] * B], device=device)
         positions = torch.cat([torch.arange(L, L + n), torch.arange(L + n, L + n + B)]).to(device)
         mask = torch.ones(n + B, L + n + B, dtype=torch.bool, device=device)
         mask[:n, L:] = torch.ones(n, n + B, dtype=torch.bool, device=device).tril()
-        logits = self(feed, mask=mask, positions=positions, logits_to_keep=B)[0]
+        logits = self(feed, mask=mask, positions=positions, logits_to_keep=self.block_size)[0]
         self.cache_len = L + n
         self.cached_tokens += new
         return logits
@@ -137,38 +159,82 @@ def drafter_class(kind: str) -> type[Drafter]:
 
 def drafter_from_target(target: Transformer, tokenizer, target_name: str, layers: list[int], block_size: int = 16,
                         draft_ids: torch.Tensor | None = None, kind: str = "d3d",
-                        target_layers: list[int] | None = None) -> Drafter:
+                        target_layers: list[int] | None = None, shift: bool = False) -> Drafter:
     """A drafter whose stack copies the given target layers, with the target's embedding (and head rows).
-    kind="dflash" also reads the target's hidden states after `target_layers` (fused by a fresh linear layer)."""
-    a = target.args
+    kind="dflash" also reads the target's hidden states after `target_layers` (fused by a fresh linear layer).
+    shift=True makes it a token-shift drafter (see the module doc): with every target layer and the full
+    vocabulary, its slot 0 is the target's own next-token prediction."""
+    return drafter_from_model(target, tokenizer, target_name, target.args, layers, block_size, draft_ids, kind,
+                              target_layers, shift)
+
+
+def drafter_from_model(model: Transformer, tokenizer, target_name: str, target_args: ModelArgs, layers: list[int],
+                       block_size: int = 16, draft_ids: torch.Tensor | None = None, kind: str = "d3d",
+                       target_layers: list[int] | None = None, shift: bool = False,
+                       own_embeddings: bool = False) -> Drafter:
+    """A drafter initialised from `model`'s layers, final norm, embedding and head (rows `draft_ids`).
+    `model` is the target itself, or (own_embeddings=True) another causal LM with the target's tokenizer,
+    whose embedding and head the checkpoint then stores."""
+    a = model.args
     args = asdict(a) | {"n_layers": len(layers)}
     cfg = DrafterConfig(args=args, block_size=block_size, init_layers=list(layers),
                         draft_vocab_size=0 if draft_ids is None else len(draft_ids),
-                        target=target_info(target_name, tokenizer, a), kind=kind,
-                        target_layers=list(target_layers or []))
+                        target=target_info(target_name, tokenizer, target_args), kind=kind,
+                        target_layers=list(target_layers or []), shift=shift, own_embeddings=own_embeddings)
     d = drafter_class(kind)(cfg)
-    sd = {"tok_embeddings.weight": target.tok_embeddings.weight, "norm.weight": target.norm.weight}
+    sd = {"tok_embeddings.weight": model.tok_embeddings.weight, "norm.weight": model.norm.weight}
     for i, src in enumerate(layers):
-        for k, v in target.layers[src].state_dict().items():
+        for k, v in model.layers[src].state_dict().items():
             if "cache" not in k:
                 sd[f"layers.{i}.{k}"] = v
-    head = target.output.weight if draft_ids is None else target.output.weight[draft_ids]
+    head = model.output.weight if draft_ids is None else model.output.weight[draft_ids]
     sd["output.weight"] = head
     sd["draft_ids"] = torch.arange(a.vocab_size) if draft_ids is None else draft_ids.long()
-    sd["mask_embedding"] = target.tok_embeddings.weight.mean(0)
+    sd["mask_embedding"] = model.tok_embeddings.weight.mean(0)
     sd |= {k: v for k, v in d.state_dict().items() if k.startswith(d.extra_prefixes)}
     d.load_state_dict({k: v.detach().clone().float() for k, v in sd.items()}, strict=True)
     return d
 
 
+def _layer_prefixes(indices: list[int]) -> tuple[str, ...]:
+    return tuple(f"layers.{i}." for i in indices)
+
+
 def _trainable_state(d: Drafter) -> dict[str, torch.Tensor]:
-    """What a checkpoint stores: everything but the embedding and the LM head rows, which are the
-    target's own (frozen in training) and are rebuilt from the target at load time."""
-    return {k: v for k, v in d.state_dict().items() if k not in ("tok_embeddings.weight", "output.weight")}
+    """What a checkpoint stores: everything but what is rebuilt from the target at load time: the
+    embedding and the LM head rows (unless cfg.own_embeddings) and the stack layers in cfg.from_target
+    (a delta checkpoint: a drafter made from the whole target stores only what training changed)."""
+    borrowed = () if d.cfg.own_embeddings else ("tok_embeddings.weight", "output.weight")
+    shared = _layer_prefixes(d.cfg.from_target)
+    return {k: v for k, v in d.state_dict().items() if k not in borrowed and not k.startswith(shared)}
 
 
-def save_drafter(d: Drafter, folder: Path, dtype: torch.dtype = torch.float16) -> None:
-    """Write drafter.safetensors + drafter.json into `folder` atomically (via a sibling temp folder)."""
+def weight_files(folder: str | Path) -> list[Path]:
+    """A drafter's weight files: drafter.safetensors, or its shards drafter-00001-of-0000N.safetensors."""
+    folder = Path(folder)
+    if (folder / WEIGHTS_NAME).exists():
+        return [folder / WEIGHTS_NAME]
+    return sorted(folder.glob("drafter-*-of-*.safetensors"))
+
+
+def _shards(state: dict[str, torch.Tensor], max_bytes: int | None) -> list[dict[str, torch.Tensor]]:
+    """Split a state dict into consecutive groups of at most max_bytes each (a larger tensor alone)."""
+    if max_bytes is None:
+        return [state]
+    out, size = [{}], 0
+    for k, v in state.items():
+        n = v.numel() * v.element_size()
+        if out[-1] and size + n > max_bytes:
+            out.append({})
+            size = 0
+        out[-1][k] = v
+        size += n
+    return out
+
+
+def save_drafter(d: Drafter, folder: Path, dtype: torch.dtype = torch.float16, max_file_mb: float | None = None) -> None:
+    """Write drafter.safetensors + drafter.json into `folder` atomically (via a sibling temp folder).
+    max_file_mb: split the weights into files of at most that size (drafter-00001-of-0000N.safetensors)."""
     import os
     import shutil
     import tempfile
@@ -179,7 +245,10 @@ def save_drafter(d: Drafter, folder: Path, dtype: torch.dtype = torch.float16) -
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=folder.name + ".tmp"))
     state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in _trainable_state(d).items()}
-    save_file(state, tmp / WEIGHTS_NAME)
+    shards = _shards(state, None if max_file_mb is None else int(max_file_mb * 2**20 * 0.98))  # header room
+    for i, part in enumerate(shards):
+        name = WEIGHTS_NAME if len(shards) == 1 else f"drafter-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(part, tmp / name)
     (tmp / CONFIG_NAME).write_text(json.dumps(asdict(d.cfg), indent=1) + "\n")
     if folder.exists():
         old = folder.with_name(folder.name + ".old")
@@ -191,8 +260,24 @@ def save_drafter(d: Drafter, folder: Path, dtype: torch.dtype = torch.float16) -
         os.replace(tmp, folder)
 
 
+def _share_target_layers(d: Drafter, target: Transformer) -> dict[str, torch.Tensor]:
+    """Give the stack layers in cfg.from_target the target's own modules (weights shared, no copy; an
+    int8 target's packed layers too); each layer keeps its own attention module and so its own KV cache.
+    Returns their state entries, so the rest of the state can be loaded strictly."""
+    for i in d.cfg.from_target:
+        if not 0 <= i < len(d.layers) or not 0 <= d.cfg.init_layers[i] < len(target.layers):
+            raise D3DError(f"delta drafter: stack layer {i} has no target layer to come from")
+        mine, src = d.layers[i], target.layers[d.cfg.init_layers[i]]
+        for name in ("wqkv", "wo", "q_norm", "k_norm"):
+            setattr(mine.attention, name, getattr(src.attention, name))
+        mine.feed_forward = src.feed_forward
+        mine.attention_norm, mine.ffn_norm = src.attention_norm, src.ffn_norm
+    return {k: v for k, v in d.state_dict().items() if k.startswith(_layer_prefixes(d.cfg.from_target))}
+
+
 def load_drafter(folder: str | Path, target: Transformer, tokenizer, device: str = "cpu") -> Drafter:
-    """Load a drafter for `target`; a drafter trained for another tokenizer/target is a clear error."""
+    """Load a drafter for `target`; a drafter trained for another tokenizer/target is a clear error.
+    What the checkpoint does not store (embedding, head rows, cfg.from_target layers) comes from `target`."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
@@ -205,14 +290,21 @@ def load_drafter(folder: str | Path, target: Transformer, tokenizer, device: str
         raise D3DError(f"drafter {folder} was trained for target {t.get('name')!r} (vocab {t.get('vocab_size')}, "
                        f"dim {t.get('dim')}), not for this target (vocab {target.args.vocab_size}, "
                        f"dim {target.args.dim}, or a different tokenizer)")
+    files = weight_files(folder)
+    if not files:
+        raise D3DError(f"not a drafter: {folder} has no {WEIGHTS_NAME}")
     with torch.device("meta"):
         d = drafter_class(cfg.kind)(cfg)
-    state = {k: v.float() if v.is_floating_point() else v for k, v in load_file(folder / WEIGHTS_NAME).items()}
-    state["tok_embeddings.weight"] = target.tok_embeddings.weight
-    state["output.weight"] = target.output.weight[state["draft_ids"]]
+    state = {}
+    for f in files:
+        state |= {k: v.float() if v.is_floating_point() else v for k, v in load_file(f).items()}
+    if not cfg.own_embeddings:
+        state["tok_embeddings.weight"] = target.tok_embeddings.weight
+        state["output.weight"] = target.output.weight[state["draft_ids"]]
+    state |= _share_target_layers(d, target)
     d.load_state_dict(state, strict=True, assign=True)
     d.inv_freq = rope_frequencies(cfg.model_args)
-    d = decode_layout(d.to(device).eval().requires_grad_(False))
+    d = pack_linears(d.to(device).eval().requires_grad_(False))
     return apply_quantize(d, getattr(target, "quantized", None), tokenizer, batch_invariant=False)  # drafts need no invariance
 
 

@@ -11,6 +11,10 @@ slots see the cache, V[0..a] and each other (bidirectionally), never V[a+1..] no
 When the target accepts a drafts, slot 0 of candidate a sits on the bonus position (the bonus replaces
 it) and slots 1..S-1 are the next drafts. Only V's K/V stay in the cache; the caller rolls back to
 L + a + 1, so the bonus enters the cache as v0 of the next packed pass.
+
+With token shift (drafter.cfg.shift) candidate a feeds only S - 1 masks, at L+a+1 .. L+a+S-1: its slot 0
+is V[a]'s own causal state (which predicts the bonus position), slot k >= 1 the mask at L+a+k, so the
+slots mean the same as without shift.
 """
 from __future__ import annotations
 
@@ -42,9 +46,10 @@ def packed_layout(L: int, m: int, candidates: list[int], slots: int,
 def packed_input(drafter: Drafter, L: int, V: list[int], candidates: list[int] | None = None,
                  slots: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens [1, T], positions [T], mask [T, L + T]) for the packed pass after L cached tokens.
-    candidates default to every acceptance count 0..len(V)-1; slots default to the drafter's block size."""
+    candidates default to every acceptance count 0..len(V)-1; slots default to the drafter's block size
+    (one mask fewer per candidate with token shift)."""
     cands = list(range(len(V))) if candidates is None else list(candidates)
-    S = slots or drafter.block_size
+    S = (slots or drafter.block_size) - (1 if drafter.cfg.shift else 0)
     device = drafter.draft_ids.device
     tokens = torch.tensor([list(V) + [drafter.mask_id] * (len(cands) * S)], device=device)
     positions, mask = packed_layout(L, len(V), cands, S, device)
@@ -70,7 +75,9 @@ def packed_draft(drafter: Drafter, V: list[int], candidates: list[int] | None = 
     x, _ = drafter.hidden(tokens, mask=mask, positions=positions)
     drafter.cache_len = L + len(V)
     drafter.cached_tokens += list(V)
-    h = x[0, len(V):].view(len(cands), S, -1)
+    h = x[0, len(V):].view(len(cands), S - (1 if drafter.cfg.shift else 0), -1)
+    if drafter.cfg.shift:
+        h = torch.cat([x[0, cands][:, None], h], dim=1)
     return drafter.head(h) if apply_head else h
 
 

@@ -5,6 +5,10 @@ slots. Block j is anchored at a context end c_j inside the response: its slot k 
 c_j + 1 + k, predicts token c_j + 1 + k, sees clean tokens 0..c_j and its own block (bidirectional),
 never other blocks. The AR loss is next-token cross-entropy on the clean response stream. The LM head
 is applied only at positions where a loss is taken.
+
+Token-shift drafters (cfg.shift, d3d.drafter) feed B - 1 masks per block, at c_j + 1 .. c_j + B - 1:
+slot 0 is the clean state at c_j itself (it predicts token c_j + 1, as the AR stream does), the mask at
+c_j + k predicts token c_j + 1 + k. Slot k predicts token c_j + 1 + k in both layouts.
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ class TrainConfig:
     checkpoint_every: int = 25
     seed: int = 0
     layer_drop: float = 0.0         # LayerDrop: skip each stack layer with this probability per step
+    freeze_below: int = 0           # stack layers 0..freeze_below-1 stay frozen
 
 
 @dataclass
@@ -92,10 +97,11 @@ def training_sequence(ex: Example, cfg: TrainConfig) -> tuple[list[int], int]:
 
 def make_batch(examples: list[Example], cfg: TrainConfig, B: int, vocab_map: torch.Tensor, mask_id: int,
                rng: random.Random, clean_first_slot: bool = False,
-               feats: list[torch.Tensor] | None = None) -> Batch:
+               feats: list[torch.Tensor] | None = None, shift: bool = False) -> Batch:
     """A packed batch. With clean_first_slot (DFlash), slot 0 of each block holds the real token at its
     position (the last verified token) and only slots 1..B-1 carry a loss. feats: per-example target
-    hidden states of its training sequence (DFlash), padded into the batch."""
+    hidden states of its training sequence (DFlash), padded into the batch. shift: token-shift layout
+    (module doc): slot 0 of block j is the clean position c_j, slots 1..B-1 its B - 1 masks."""
     seqs, starts, anchors = [], [], []
     for ex in examples:
         seq, P = training_sequence(ex, cfg)
@@ -105,7 +111,8 @@ def make_batch(examples: list[Example], cfg: TrainConfig, B: int, vocab_map: tor
         seqs.append(seq)
         starts.append(P)
     lengths = [len(s) for s in seqs]
-    positions, mask, block_of, ctx_end = block_layout(lengths, anchors, B)
+    S = B - 1 if shift else B  # masks per block
+    positions, mask, block_of, ctx_end = block_layout(lengths, anchors, S)
     N, T = positions.shape
     Lmax = max(lengths)
     tokens = torch.full((N, T), mask_id, dtype=torch.long)
@@ -118,10 +125,10 @@ def make_batch(examples: list[Example], cfg: TrainConfig, B: int, vocab_map: tor
             ar_target.append(seq[i + 1])
         for j, c in enumerate(anchors[n]):
             if clean_first_slot:
-                tokens[n, Lmax + j * B] = seq[c + 1]
+                tokens[n, Lmax + j * S] = seq[c + 1]
             for k in range(1 if clean_first_slot else 0, B):
                 if c + 1 + k < len(seq):
-                    slot_index.append(n * T + Lmax + j * B + k)
+                    slot_index.append(n * T + (c if shift and k == 0 else Lmax + j * S + k - (1 if shift else 0)))
                     slot_target.append(seq[c + 1 + k])
                     slot_k.append(k)
                     slot_block.append(n * 1000 + j)
@@ -223,11 +230,18 @@ def dropped_layers(n: int, p: float, step: int, seed: int) -> set[int]:
     return drop
 
 
-def trainable_parameters(model: Drafter) -> list[torch.nn.Parameter]:
-    """The embedding and the LM head stay the target's (frozen); the stack, final norm and mask embedding train."""
-    model.tok_embeddings.requires_grad_(False)
-    model.output.requires_grad_(False)
-    return [p for n, p in model.named_parameters() if not n.startswith(("tok_embeddings", "output"))]
+def frozen_layers(model: Drafter, cfg: TrainConfig) -> list[int]:
+    """Stack layers that do not train: those below cfg.freeze_below and those shared with the target."""
+    return sorted(set(range(min(cfg.freeze_below, len(model.layers)))) | set(model.cfg.from_target))
+
+
+def trainable_parameters(model: Drafter, cfg: TrainConfig | None = None) -> list[torch.nn.Parameter]:
+    """The embedding and the LM head stay the target's (frozen), and so do frozen_layers; the rest of the
+    stack, the final norm and the mask embedding train."""
+    frozen = ("tok_embeddings", "output") + tuple(f"layers.{i}." for i in frozen_layers(model, cfg or TrainConfig()))
+    for n, p in model.named_parameters():
+        p.requires_grad_(not n.startswith(frozen))
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -238,7 +252,9 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def _save_state(path: Path, model: Drafter, opt, step: int, history: list) -> None:
-    state = {"model": {k: v for k, v in model.state_dict().items() if k != "tok_embeddings.weight"},
+    """Weights that train (and buffers) + AdamW state: frozen weights are rebuilt on resume."""
+    kept = {n for n, p in model.named_parameters() if p.requires_grad} | {n for n, _ in model.named_buffers()}
+    state = {"model": {k: v for k, v in model.state_dict().items() if k in kept},
              "opt": opt.state_dict(), "step": step, "history": history}
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)
@@ -259,7 +275,7 @@ def train(model: Drafter, examples: list[Example], cfg: TrainConfig, run_dir: Pa
     run_dir.mkdir(parents=True, exist_ok=True)
     state_path = run_dir / "state.pt"
     core = model.to(acc.device)
-    params = trainable_parameters(core)
+    params = trainable_parameters(core, cfg)
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     step, history = 0, []
     if state_path.exists():
@@ -283,7 +299,7 @@ def train(model: Drafter, examples: list[Example], cfg: TrainConfig, run_dir: Pa
         batch = make_batch([examples[i] for i in idx], cfg, core.block_size, vmap, core.mask_id,
                            random.Random(cfg.seed * 1_000_003 + step * 97 + acc.process_index),
                            clean_first_slot=core.cfg.kind == "dflash",
-                           feats=None if feats is None else [feats[i] for i in idx])
+                           feats=None if feats is None else [feats[i] for i in idx], shift=core.cfg.shift)
         batch = Batch(*[None if getattr(batch, f.name) is None else getattr(batch, f.name).to(acc.device)
                         for f in fields(Batch)])
         for g in opt.param_groups:
@@ -339,23 +355,54 @@ def evaluate(model: Drafter, examples: list[Example], cfg: TrainConfig, batches:
     n = min(batches, max(1, len(examples) // cfg.batch_size))
     for b in range(n):
         batch = make_batch(examples[b * cfg.batch_size:(b + 1) * cfg.batch_size], cfg, model.block_size, vmap,
-                           model.mask_id, random.Random(1234 + b), clean_first_slot=model.cfg.kind == "dflash")
+                           model.mask_id, random.Random(1234 + b), clean_first_slot=model.cfg.kind == "dflash",
+                           shift=model.cfg.shift)
         for k, v in losses(model, batch, cfg, target).items():
             tot[k] = tot.get(k, 0.0) + float(v) / n
     model.train(was_training)
     return {k: round(v, 4) for k, v in tot.items()}
 
 
-def train_drafter(target: str | None, data: Path, out: Path, run_dir: Path, layers: list[int],
+INIT_TARGET = "target"  # --init-model value meaning the target itself
+
+
+def init_model_drafter(target, tokenizer, target_name: str, target_dir: Path, init_model: str,
+                       layers: list[int] | None, block_size: int, draft_ids: torch.Tensor | None,
+                       freeze_below: int = 0) -> Drafter:
+    """A token-shift D3D drafter converted from a whole pretrained causal LM (`init_model`: "target", a
+    HF folder or a .gguf with the target's tokenizer), keeping `layers` of it (None: all). Made from the
+    target's own weights, the frozen layers below `freeze_below` are recorded as shared with the target
+    (cfg.from_target), so the checkpoint stores only what training changes (a delta checkpoint)."""
+    from .drafter import drafter_from_model, tokenizer_fingerprint
+    from .target import load_target, resolve_target
+
+    model_dir = target_dir if init_model == INIT_TARGET else resolve_target(init_model)
+    same = Path(model_dir).resolve() == Path(target_dir).resolve()
+    model, tok = (target, tokenizer) if same else load_target(str(model_dir))[:2]
+    if not same and (tokenizer_fingerprint(tok) != tokenizer_fingerprint(tokenizer)
+                     or model.args.vocab_size != target.args.vocab_size):
+        raise D3DError(f"--init-model {init_model} does not share the target's tokenizer and vocabulary")
+    layers = list(range(model.args.n_layers)) if layers is None else layers
+    if not layers or not all(0 <= i < model.args.n_layers for i in layers):
+        raise D3DError(f"--layers must lie in 0..{model.args.n_layers - 1} of the --init-model (got {layers})")
+    d = drafter_from_model(model, tokenizer, target_name, target.args, layers, block_size, draft_ids,
+                           shift=True, own_embeddings=not same)
+    if same:
+        d.cfg.from_target = list(range(min(freeze_below, len(layers))))
+    return d
+
+
+def train_drafter(target: str | None, data: Path, out: Path, run_dir: Path, layers: list[int] | None,
                   draft_vocab: int, block_size: int, cfg: TrainConfig, heldout: int = 64, command: str = "",
                   max_shards: int | None = None, kind: str = "d3d", target_layers: list[int] | None = None,
-                  init: Path | None = None) -> dict:
+                  init: Path | None = None, init_model: str | None = None, max_file_mb: float | None = None) -> dict:
     """`d3d train`: build a drafter from the target's layers (or start from the drafter `init`, whose
     architecture then wins over layers / draft_vocab / block_size), train it on the distillation data,
     save it.
 
     kind "ar" trains a causal drafter (next-token loss only); "dflash" one conditioned on the target's
-    hidden states after `target_layers` (the target stays loaded, frozen, to produce them)."""
+    hidden states after `target_layers` (the target stays loaded, frozen, to produce them).
+    init_model: convert a whole pretrained causal LM (see init_model_drafter; layers None = all of it)."""
     from .data import load_dataset
     from .drafter import drafter_from_target, load_drafter, save_drafter
     from .target import DEFAULT_TARGET, load_target
@@ -367,23 +414,28 @@ def train_drafter(target: str | None, data: Path, out: Path, run_dir: Path, laye
         drafter = load_drafter(init, model, tok).requires_grad_(True)
         if drafter.cfg.kind != kind:
             raise D3DError(f"--init {init} is a {drafter.cfg.kind!r} drafter, not {kind!r} (see --kind)")
+        drafter.cfg.from_target = [i for i in drafter.cfg.from_target if i < cfg.freeze_below]
     else:
         draft_ids = draft_vocabulary(train_set, draft_vocab, model.args.vocab_size, [tok.eos_token_id]) \
             if draft_vocab else None
-        drafter = drafter_from_target(model, tok, target or DEFAULT_TARGET, layers, block_size, draft_ids,
-                                      kind=kind, target_layers=target_layers)
+        if init_model is not None:
+            drafter = init_model_drafter(model, tok, target or DEFAULT_TARGET, model_dir, init_model, layers,
+                                         block_size, draft_ids, cfg.freeze_below)
+        else:
+            drafter = drafter_from_target(model, tok, target or DEFAULT_TARGET, layers, block_size, draft_ids,
+                                          kind=kind, target_layers=target_layers)
     feature_target = model.requires_grad_(False) if kind == "dflash" else None
     feats = target_features(feature_target, train_set, cfg, drafter.cfg.target_layers) if kind == "dflash" else None
     del model
     before = evaluate(drafter, held, cfg, target=feature_target)
     history = train(drafter, train_set, cfg, run_dir, target=feature_target, feats=feats)
     after = evaluate(drafter, held, cfg, target=feature_target)
-    drafter.cfg.training = {"command": command, "init": str(init) if init else None,
+    drafter.cfg.training = {"command": command, "init": str(init) if init else None, "init_model": init_model,
                             "init_training": drafter.cfg.training if init else None,
                             "data": str(data), "examples": len(train_set), "heldout": heldout,
                             "data_response_tokens": sum(len(ex.response_ids) for ex in examples),
                             "config": cfg.__dict__, "steps_done": len(history), "heldout_before": before,
                             "heldout_after": after}
-    save_drafter(drafter, out)
+    save_drafter(drafter, out, max_file_mb=max_file_mb)
     atomic_write_json(run_dir / "summary.json", drafter.cfg.training)
     return drafter.cfg.training
