@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from .quantize import apply_quantize
-from .target import D3DError, ModelArgs, Transformer, pack_linears, rope_frequencies
+from .target import D3DError, ModelArgs, Transformer, decode_layout, rope_frequencies
 from .verify import SamplingParams
 
 CONFIG_NAME = "drafter.json"
@@ -218,15 +218,18 @@ def weight_files(folder: str | Path) -> list[Path]:
 
 
 def _shards(state: dict[str, torch.Tensor], max_bytes: int | None) -> list[dict[str, torch.Tensor]]:
-    """Split a state dict into consecutive groups of at most max_bytes each (a larger tensor alone)."""
+    """Split a state dict into consecutive groups of files of at most max_bytes each (counting each
+    tensor's safetensors header entry too); a tensor that cannot fit a file alone is an error."""
     if max_bytes is None:
         return [state]
-    out, size = [{}], 0
+    out, size = [{}], 8
     for k, v in state.items():
-        n = v.numel() * v.element_size()
+        n = v.numel() * v.element_size() + len(k) + 128
+        if n + 8 > max_bytes:
+            raise D3DError(f"{k} ({n / 2**20:.1f} MB) does not fit in a weight file of {max_bytes / 2**20:.1f} MB")
         if out[-1] and size + n > max_bytes:
             out.append({})
-            size = 0
+            size = 8
         out[-1][k] = v
         size += n
     return out
@@ -245,7 +248,7 @@ def save_drafter(d: Drafter, folder: Path, dtype: torch.dtype = torch.float16, m
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=folder.name + ".tmp"))
     state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in _trainable_state(d).items()}
-    shards = _shards(state, None if max_file_mb is None else int(max_file_mb * 2**20 * 0.98))  # header room
+    shards = _shards(state, None if max_file_mb is None else int(max_file_mb * 2**20))
     for i, part in enumerate(shards):
         name = WEIGHTS_NAME if len(shards) == 1 else f"drafter-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(part, tmp / name)
@@ -304,7 +307,7 @@ def load_drafter(folder: str | Path, target: Transformer, tokenizer, device: str
     state |= _share_target_layers(d, target)
     d.load_state_dict(state, strict=True, assign=True)
     d.inv_freq = rope_frequencies(cfg.model_args)
-    d = pack_linears(d.to(device).eval().requires_grad_(False))
+    d = decode_layout(d.to(device).eval().requires_grad_(False))
     return apply_quantize(d, getattr(target, "quantized", None), tokenizer, batch_invariant=False)  # drafts need no invariance
 
 
