@@ -113,7 +113,7 @@ def test_choose_budget_from_the_cost_curve():
     assert choose_budget(curve) == 32
     assert choose_budget(curve, max_ratio=1.1) == 16
     assert choose_budget({w: float(w) for w in curve}) == 16  # compute-bound: no wider than a block
-    assert choose_budget(curve | {16: 0.2, 32: 0.105}) == 64  # 32 "faster" than 16 is noise: cost 0.2 too
+    assert choose_budget(curve | {16: 0.2, 32: 0.105}) == 64  # 32 "faster" than 16 is noise: it costs 0.2 too
 
 
 def test_width_cost_picks_the_best_expected_throughput():

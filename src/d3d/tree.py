@@ -22,7 +22,6 @@ its node's candidates, and node scores use the slot's largest probability, never
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 
@@ -31,7 +30,7 @@ import torch
 from .drafter import D3DProposer, sample_draft
 from .engine import (GenerationResult, LogprobRecorder, StopChecker, commit_first, commit_round, sync_device,
                      validate_request)
-from .target import D3DError, cache_dir
+from .target import D3DError
 from .verify import SamplingParams, make_generator, next_token, probs_from_logits, sample
 
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)
@@ -397,23 +396,23 @@ def generate_tree(model, tokenizer, prompt_ids: list[int], params: SamplingParam
 @torch.no_grad()
 def width_cost_curve(model, widths: tuple[int, ...] = WIDTHS, context: int = 256, repeats: int = 5) -> dict[int, float]:
     """Seconds of one target forward feeding `width` tokens after a cache of `context` tokens, for each
-    width: the fastest of `repeats` runs (interference from other work only ever adds time). Every forward
-    is rolled back, so the cache only ever holds the context."""
+    width: the fastest of `repeats` runs (interference from other work only ever adds time), the widths
+    taking turns so that a busy spell slows them all alike. Every forward is rolled back, so the cache
+    only ever holds the context."""
     device = model.output.weight.device
     model.setup_cache(1, context + max(widths) + 1)
     model(torch.zeros(1, context, dtype=torch.long, device=device))
-    curve = {}
-    for w in widths:
-        feed = torch.zeros(1, w, dtype=torch.long, device=device)
-        times = []
-        for _ in range(repeats + 1):  # the first run warms up
+    times: dict[int, list[float]] = {w: [] for w in widths}
+    for r in range(repeats + 1):  # the first pass warms up
+        for w in widths:
+            feed = torch.zeros(1, w, dtype=torch.long, device=device)
             t0 = time.perf_counter()
             model(feed)
             sync_device(device)
-            times.append(time.perf_counter() - t0)
+            if r:
+                times[w].append(time.perf_counter() - t0)
             model.rollback(context)
-        curve[w] = min(times[1:])
-    return curve
+    return {w: min(t) for w, t in times.items()}
 
 
 class WidthCost:
@@ -468,21 +467,6 @@ def choose_budget(curve: dict[int, float], base: int = 16, max_ratio: float = 1.
     return max(w for w, s in curve.items() if w <= base or s <= limit)
 
 
-def cost_curve(model) -> dict[int, float]:
-    """width_cost_curve of this device, measured once per (device, dtype, threads, model shape) and kept in
-    the d3d cache folder (width_cost.json)."""
-    p = next(model.parameters())
-    a = model.args
-    key = f"{p.device}|{p.dtype}|threads={torch.get_num_threads()}|{a.n_layers}x{a.dim}|vocab={a.vocab_size}"
-    path = cache_dir() / "width_cost.json"
-    known = json.loads(path.read_text()) if path.exists() else {}
-    if key not in known:
-        known[key] = {str(w): s for w, s in width_cost_curve(model).items()}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(known, indent=1) + "\n")
-    return {int(w): s for w, s in known[key].items()}
-
-
 @torch.no_grad()
 def drafter_cost(proposer: D3DProposer, context: int = 256, repeats: int = 3) -> float:
     """Seconds of one synchronous D3D draft after `context` tokens (one new token per draft): the fastest
@@ -504,7 +488,8 @@ def drafter_cost(proposer: D3DProposer, context: int = 256, repeats: int = 3) ->
 
 def auto_tree(model, proposer: D3DProposer) -> TreeProposer:
     """A TreeProposer fitted to this device: its budget from choose_budget on the cost curve, and each
-    round's width chosen by WidthCost.best_width with the drafter's own cost as overhead."""
-    curve = cost_curve(model)
+    round's width chosen by WidthCost.best_width with the drafter's own cost as overhead. Measured afresh
+    (about 2 s on a CPU) rather than cached: the curve moves with the runtime, the threads and the load."""
+    curve = width_cost_curve(model)
     base = proposer.drafter.block_size
     return TreeProposer(proposer, choose_budget(curve, base), cost=WidthCost(curve, drafter_cost(proposer)))
