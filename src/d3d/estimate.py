@@ -77,3 +77,90 @@ def benchmark_continuations(model, tokenizer, benchmarks: list[str], limit: int,
 
     texts = {b: [first_turn(it) for it in benchmark_prompts(b, limit)] for b in benchmarks}
     return greedy_continuations(model, tokenizer, texts, max_new_tokens, cache, desc="benchmark continuations")
+
+
+WHOLE_TARGET = "whole-target"  # --drafter value: the untrained token-shift drafter made of the whole target
+
+
+def whole_target_drafter(model, tokenizer, target_name: str, block_size: int = 16) -> Drafter:
+    """The whole target converted to a token-shift block-diffusion drafter, untrained: every layer shared
+    with the target (cfg.from_target), so its checkpoint holds only the norm, mask embedding and ids."""
+    from .drafter import drafter_from_target
+
+    d = drafter_from_target(model, tokenizer, target_name, list(range(model.args.n_layers)), block_size, shift=True)
+    d.cfg.from_target = list(range(model.args.n_layers))
+    return d.eval().requires_grad_(False)
+
+
+def _merge_json(path: Path, key: str, record: dict) -> None:
+    from .data import atomic_write_json
+
+    done = json.loads(path.read_text()) if path.exists() else {}
+    done[key] = record
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, done)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m d3d.estimate`: replayed greedy tau of a drafter on benchmark prompts, merged into a JSON
+    file under --key (with the command). --drafter whole-target builds the untrained whole-target
+    token-shift drafter (--save writes it as a delta checkpoint, e.g. for `d3d bench --drafter`)."""
+    import argparse
+    import shlex
+    import sys
+    import time
+
+    from .drafter import load_drafter, save_drafter
+    from .errors import D3DError
+    from .prompts import BENCHMARKS
+    from .quantize import apply_quantize
+    from .target import DEFAULT_TARGET, load_target
+
+    p = argparse.ArgumentParser(prog="python -m d3d.estimate")
+    p.add_argument("--drafter", required=True, help=f"drafter folder, or {WHOLE_TARGET}")
+    p.add_argument("--target", default=None)
+    p.add_argument("--benchmarks", default="gsm8k,humaneval,mt-bench")
+    p.add_argument("--limit", type=int, default=2)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--quantize-drafter", choices=("int8",), default=None, help="quantize the drafter only")
+    p.add_argument("--cache", default="runs/estimate_continuations.json", help="target continuations cache")
+    p.add_argument("--save", default=None, help=f"with {WHOLE_TARGET}: write that drafter here")
+    p.add_argument("--out", required=True)
+    p.add_argument("--key", required=True)
+    p.add_argument("--threads", type=int, default=1)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = p.parse_args(argv)
+    try:
+        benches = [b for b in args.benchmarks.split(",") if b]
+        if not benches or any(b not in BENCHMARKS for b in benches):
+            raise D3DError(f"--benchmarks must be among {','.join(BENCHMARKS)} (got {args.benchmarks!r})")
+        torch.set_num_threads(args.threads)
+        model, tok, _ = load_target(args.target)
+        if args.drafter == WHOLE_TARGET:
+            drafter = whole_target_drafter(model, tok, args.target or DEFAULT_TARGET)
+            if args.save:
+                save_drafter(drafter, Path(args.save))
+        else:
+            drafter = load_drafter(args.drafter, model, tok)
+        drafter = apply_quantize(drafter, args.quantize_drafter, tok, batch_invariant=False)
+        conts = benchmark_continuations(model, tok, benches, args.limit, args.max_new_tokens, Path(args.cache))
+        t0 = time.time()
+        by_bench = {b: [a for p, c in rows for a in replay_acceptance(drafter, p, c, args.max_new_tokens)]
+                    for b, rows in conts.items()}
+    except D3DError as e:
+        print(f"d3d: error: {e}", file=sys.stderr)
+        return 2
+    lengths = [a for ls in by_bench.values() for a in ls]
+    per = {b: round(sum(ls) / max(1, len(ls)), 4) for b, ls in by_bench.items()}
+    record = {"tau": round(sum(lengths) / len(lengths), 4), "per_benchmark": per, "rounds": len(lengths),
+              "first_draft_accepted": round(sum(a >= 2 for a in lengths) / len(lengths), 4),
+              "prompts": sum(len(r) for r in conts.values()), "max_new_tokens": args.max_new_tokens,
+              "estimate_s": round(time.time() - t0, 1), "threads": args.threads,
+              "command": "python -m d3d.estimate " + shlex.join(argv)}
+    _merge_json(Path(args.out), args.key, record)
+    print(json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
