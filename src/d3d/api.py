@@ -13,8 +13,9 @@ from typing import Callable
 import torch
 
 from .engine import GenerationResult, LogprobRecorder, validate_request
+from .errors import D3DError
 from .methods import BEST_METHOD, make_runner, parse_methods
-from .target import D3DError, load_target
+from .target import load_target
 from .verify import SamplingParams
 
 CHAT_ROLES = ("system", "user", "assistant")

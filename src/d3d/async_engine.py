@@ -26,8 +26,8 @@ import torch
 from .drafter import Drafter, draft_generator, sample_draft
 from .engine import (GenerationResult, LogprobRecorder, StopChecker, commit_first, commit_round, sync_device,
                      validate_request)
+from .errors import D3DError
 from .packed import keep_prefix, likely_candidates, packed_draft, prefill
-from .target import D3DError
 from .verify import SamplingParams, make_generator, next_token, verify
 
 VERIFY_TID, DRAFT_TID = 0, 1

@@ -28,9 +28,10 @@ from tqdm import tqdm
 
 from .data import atomic_write_bytes
 from .engine import GenerationResult, validate_request
+from .errors import D3DError
 from .methods import Runner
 from .prompts import BenchItem, MultiTurn
-from .target import D3DError, encode_prompt
+from .target import encode_prompt
 from .verify import SamplingParams
 
 

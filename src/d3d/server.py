@@ -48,7 +48,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .api import Generator, check_messages
 from .engine import GenerationResult, LogprobRecorder, StopChecker, TokenLogprob
-from .target import D3DError
+from .errors import D3DError
 from .verify import SamplingParams
 
 log = logging.getLogger("d3d.server")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .target import D3DError
+from .errors import D3DError
 
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed accepts
