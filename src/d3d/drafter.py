@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from .quantize import apply_quantize
-from .target import D3DError, ModelArgs, Transformer, pack_linears, rope_frequencies
+from .target import D3DError, ModelArgs, Transformer, decode_layout, rope_frequencies
 from .verify import SamplingParams
 
 CONFIG_NAME = "drafter.json"
@@ -90,6 +90,13 @@ class Drafter(Transformer):
         is_mask = tokens == self.mask_id
         x = self.tok_embeddings(tokens.masked_fill(is_mask, 0))
         return torch.where(is_mask[..., None], self.mask_embedding.to(x.dtype), x)
+
+    def release_cache(self) -> None:
+        """Drop the KV cache: whole sequences (training, evaluation) then run without one."""
+        for layer in self.layers:
+            layer.attention.k_cache = layer.attention.v_cache = None
+        self.cache_len = self.max_batch = self.cache_size = 0
+        self.cached_tokens = []
 
     # ---- inference with a KV cache of the verified text
 
@@ -235,7 +242,8 @@ def _shards(state: dict[str, torch.Tensor], max_bytes: int | None) -> list[dict[
     return out
 
 
-def save_drafter(d: Drafter, folder: Path, dtype: torch.dtype = torch.float16, max_file_mb: float | None = None) -> None:
+def save_drafter(d: Drafter, folder: Path, dtype: torch.dtype = torch.float16,
+                 max_file_mb: float | None = None) -> None:
     """Write drafter.safetensors + drafter.json into `folder` atomically (via a sibling temp folder).
     max_file_mb: split the weights into files of at most that size (drafter-00001-of-0000N.safetensors)."""
     import os
@@ -307,7 +315,7 @@ def load_drafter(folder: str | Path, target: Transformer, tokenizer, device: str
     state |= _share_target_layers(d, target)
     d.load_state_dict(state, strict=True, assign=True)
     d.inv_freq = rope_frequencies(cfg.model_args)
-    d = pack_linears(d.to(device).eval().requires_grad_(False))
+    d = decode_layout(d.to(device).eval().requires_grad_(False))
     return apply_quantize(d, getattr(target, "quantized", None), tokenizer, batch_invariant=False)  # drafts need no invariance
 
 

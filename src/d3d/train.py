@@ -144,6 +144,12 @@ def make_batch(examples: list[Example], cfg: TrainConfig, B: int, vocab_map: tor
                  vocab_map[t(slot_target)], t(slot_k), t(slot_block), torch.tensor(Lmax), padded)
 
 
+def batch_to(batch: Batch, device) -> Batch:
+    """The batch with every tensor on `device`."""
+    return Batch(*[None if getattr(batch, f.name) is None else getattr(batch, f.name).to(device)
+                   for f in fields(Batch)])
+
+
 def acceptance_from_slots(correct: torch.Tensor, slot_k: torch.Tensor, slot_block: torch.Tensor,
                           B: int) -> float:
     """Mean teacher-forced acceptance length (leading correct slots among the first B-1, + 1) over blocks:
@@ -275,6 +281,7 @@ def train(model: Drafter, examples: list[Example], cfg: TrainConfig, run_dir: Pa
     run_dir.mkdir(parents=True, exist_ok=True)
     state_path = run_dir / "state.pt"
     core = model.to(acc.device)
+    core.release_cache()
     params = trainable_parameters(core, cfg)
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     step, history = 0, []
@@ -300,8 +307,7 @@ def train(model: Drafter, examples: list[Example], cfg: TrainConfig, run_dir: Pa
                            random.Random(cfg.seed * 1_000_003 + step * 97 + acc.process_index),
                            clean_first_slot=core.cfg.kind == "dflash",
                            feats=None if feats is None else [feats[i] for i in idx], shift=core.cfg.shift)
-        batch = Batch(*[None if getattr(batch, f.name) is None else getattr(batch, f.name).to(acc.device)
-                        for f in fields(Batch)])
+        batch = batch_to(batch, acc.device)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
         drop = dropped_layers(len(core.layers), cfg.layer_drop, step, cfg.seed)
@@ -351,13 +357,14 @@ def evaluate(model: Drafter, examples: list[Example], cfg: TrainConfig, batches:
     """Held-out losses and teacher-forced acceptance length (fixed anchors, so comparable across runs)."""
     was_training = model.training
     model.eval()
+    model.release_cache()
     vmap, tot = vocab_map_for(model), {}
     n = min(batches, max(1, len(examples) // cfg.batch_size))
     for b in range(n):
         batch = make_batch(examples[b * cfg.batch_size:(b + 1) * cfg.batch_size], cfg, model.block_size, vmap,
                            model.mask_id, random.Random(1234 + b), clean_first_slot=model.cfg.kind == "dflash",
                            shift=model.cfg.shift)
-        for k, v in losses(model, batch, cfg, target).items():
+        for k, v in losses(model, batch_to(batch, model.draft_ids.device), cfg, target).items():
             tot[k] = tot.get(k, 0.0) + float(v) / n
     model.train(was_training)
     return {k: round(v, 4) for k, v in tot.items()}
