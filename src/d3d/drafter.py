@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from .quantize import apply_quantize
-from .target import D3DError, ModelArgs, Transformer, decode_layout, rope_frequencies
+from .target import D3DError, ModelArgs, Transformer, pack_linears, rope_frequencies
 from .verify import SamplingParams
 
 CONFIG_NAME = "drafter.json"
@@ -315,7 +315,7 @@ def load_drafter(folder: str | Path, target: Transformer, tokenizer, device: str
     state |= _share_target_layers(d, target)
     d.load_state_dict(state, strict=True, assign=True)
     d.inv_freq = rope_frequencies(cfg.model_args)
-    d = decode_layout(d.to(device).eval().requires_grad_(False))
+    d = pack_linears(d.to(device).eval().requires_grad_(False))
     return apply_quantize(d, getattr(target, "quantized", None), tokenizer, batch_invariant=False)  # drafts need no invariance
 
 
