@@ -264,14 +264,15 @@ def method_runner(method: str, target, drafter):
     from d3d.async_engine import generate_async
     from d3d.drafter import D3DProposer
     from d3d.ngram import NgramProposer
-    from d3d.tree import TreeProposer, generate_tree
+    from d3d.tree import TreeProposer, WidthCost, generate_tree
 
     tok = StubTokenizer()
     if method in ASYNC_OPTIONS:
         return lambda p: generate_async(target, tok, PROMPT_ALL, p, MAX_NEW_ALL, drafter=drafter, overlap=False,
                                         **ASYNC_OPTIONS[method])
-    if method == "d3d-tree":
-        tree = TreeProposer(D3DProposer(drafter, V, max_len=64), budget=8)
+    if method == "d3d-tree":  # with a cost model: trees cut by width and the drafter skipped when it does not pay
+        cost = WidthCost({1: 1.0, 2: 1.2, 8: 1.6}, overhead=0.9)  # skips the drafter in about half the rounds
+        tree = TreeProposer(D3DProposer(drafter, V, max_len=64), budget=8, cost=cost)
         return lambda p: generate_tree(target, tok, PROMPT_ALL, p, MAX_NEW_ALL, proposer=tree, max_depth=3)
     proposer = NgramProposer() if method == "ngram" else D3DProposer(drafter, V, max_len=64)
     return lambda p: generate(target, tok, PROMPT_ALL, p, MAX_NEW_ALL, proposer=proposer, block_size=BLOCK_TINY)

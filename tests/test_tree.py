@@ -126,6 +126,22 @@ def test_width_cost_picks_the_best_expected_throughput():
     assert flat.best_width([0.01] * 20) == 21
 
 
+def test_the_drafter_runs_while_it_pays_and_is_probed_when_it_does_not():
+    tree = TreeProposer(None, cost=WidthCost({1: 1.0, 16: 1.0}, overhead=0.5))
+    tree.reset([1])
+    assert tree.drafting_pays()  # optimistic start
+    drafted = TokenTree([0, 5], [-1, 0], [0, 1], [{"root"}, {"d3d"}], [[], []])
+    for _ in range(5):
+        tree.accepted(drafted, [], drafted=True)  # it proposed nothing that was accepted
+    assert not tree.drafting_pays()
+    for _ in range(d3d.tree.PROBE_ROUNDS):
+        tree.accepted(drafted, [], drafted=False)
+    assert tree.drafting_pays()  # probed again
+    for _ in range(10):
+        tree.accepted(drafted, [1], drafted=True)  # now its token is accepted every round
+    assert tree.drafting_pays()
+
+
 # --------------------------------------------------------------------------------------------
 # Greedy identity on the real target with the shipped drafter
 

@@ -36,6 +36,8 @@ from .verify import SamplingParams, make_generator, next_token, probs_from_logit
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 NGRAM_CONFIDENCE = {1: 0.35, 2: 0.55, 3: 0.7}  # guessed per-token acceptance of an n-gram match of length n
 ALT_TAIL_DISCOUNT = 0.5  # drafter tokens after an alternative were drafted for the other branch
+GAIN_SMOOTHING = 0.2     # weight of the latest round in the drafter's moving-average gain
+PROBE_ROUNDS = 8         # a drafter that does not pay still runs once every this many rounds
 
 
 # --------------------------------------------------------------------------------------------
@@ -291,15 +293,34 @@ class TreeProposer:
         self.params = SamplingParams()
 
     def reset(self, prompt_ids: list[int]) -> None:
+        self.drafter_gain, self.idle_rounds = 1.0, 0
         if self.d3d is not None:
             self.d3d.params = self.params
             self.d3d.reset(prompt_ids)
+
+    def drafting_pays(self) -> bool:
+        """Whether to run the drafter this round. Without a cost model, always. Else when the tokens that
+        only it proposed on recent accepted paths (a moving average per round) are worth its cost, counting
+        a token as one forward of width 1; and every PROBE_ROUNDS-th round anyway, to see whether it pays
+        again. The choice depends on verified text only, so sampling stays exact."""
+        if self.cost is None or self.drafter_gain * self.cost(1) >= self.cost.overhead:
+            return True
+        return self.idle_rounds >= PROBE_ROUNDS
+
+    def accepted(self, tree: TokenTree, path: list[int], drafted: bool) -> None:
+        """Feedback after verification: how many accepted tokens only the drafter had proposed."""
+        if drafted:
+            gain = sum(1 for i in path if "ngram" not in tree.sources[i])
+            self.drafter_gain += GAIN_SMOOTHING * (gain - self.drafter_gain)
+            self.idle_rounds = 0
+        else:
+            self.idle_rounds += 1
 
     def build(self, tokens: list[int], k: int) -> TokenTree:
         """The tree for the round after `tokens` (ending with the pending token), at most k deep."""
         draft = TreeDraft(tokens[-1])
         matches = ngram_continuations(tokens, k, self.ngram_matches, self.max_ngram) if k > 0 else []
-        if k > 0 and self.d3d is not None:
+        if k > 0 and self.d3d is not None and self.drafting_pays():
             self._add_drafter(draft, d3d_block(self.d3d, tokens, k, self.params, self.alternatives + 1))
         for n, follow in matches:
             conf = NGRAM_CONFIDENCE[min(n, max(NGRAM_CONFIDENCE))]
@@ -376,6 +397,7 @@ def generate_tree(model, tokenizer, prompt_ids: list[int], params: SamplingParam
         logits = tree_logits(model, tree)
         path, nxt = verify_tree(tree, logits, params, gen)
         compact_cache(model, base, path)
+        proposer.accepted(tree, path, drafted=any("d3d" in s for s in tree.sources))
         chunk = [tree.tokens[i] for i in path] + [nxt]
         res.acceptance_lengths.append(len(path) + 1)
         res.tree_sizes.append(len(tree))
