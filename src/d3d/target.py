@@ -213,24 +213,34 @@ class Attention(nn.Module):
             self.v_cache[:B, :, start:start + T] = v
             k, v = self.k_cache[:B, :, :start + T], self.v_cache[:B, :, :start + T]
         gqa = a.n_kv_heads != a.n_heads
-        y = rowwise_attention(q, k, v, mask, gqa) if self.rowwise and B == 1 and T > 1 else \
-            F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        if isinstance(mask, list):
+            y = rowwise_attention(q, k, v, mask, gqa)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
-def rowwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                      gqa: bool) -> torch.Tensor:
-    """Attention of each query row on its own, over exactly the keys it may see, with the same kernel
-    call as a one-token decoding step. A row's output is then bitwise what plain decoding computes at
-    that position, whatever else is in the batch (batch 1; mask None = causal, else bool [..., T, L])."""
-    T, L = q.shape[2], k.shape[2]
-    keep = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(L - T) if mask is None else mask.reshape(T, L)
-    rows = []
-    for i in range(T):
-        seen = keep[i].nonzero()[:, 0]
+def row_keys(mask: torch.Tensor, T: int, L: int) -> list[int | torch.Tensor]:
+    """For each of T query rows of a bool mask [..., T, L] (batch 1), the keys it sees: n for the
+    prefix 0..n-1, else their indices. Computed once per forward for every rowwise layer."""
+    keep = mask.reshape(T, L)
+    out: list[int | torch.Tensor] = []
+    for row in keep:
+        seen = row.nonzero()[:, 0]
         n = len(seen)
-        if n and int(seen[-1]) == n - 1:  # a prefix: a view, as the decoding step reads its cache
-            ki, vi = k[:, :, :n], v[:, :, :n]
+        out.append(n if n and int(seen[-1]) == n - 1 else seen)
+    return out
+
+
+def rowwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: list[int | torch.Tensor],
+                      gqa: bool) -> torch.Tensor:
+    """Attention of each query row on its own, over exactly the keys it may see (row_keys), with the
+    same kernel call as a one-token decoding step. A row's output is then bitwise what plain decoding
+    computes at that position, whatever else is in the batch."""
+    rows = []
+    for i, seen in enumerate(keys):
+        if isinstance(seen, int):  # a prefix: a view, as the decoding step reads its cache
+            ki, vi = k[:, :, :seen], v[:, :, :seen]
         else:
             ki, vi = k[:, :, seen], v[:, :, seen]
         rows.append(F.scaled_dot_product_attention(q[:, :, i:i + 1], ki, vi, enable_gqa=gqa))
@@ -332,6 +342,8 @@ class Transformer(nn.Module):
             cos, sin = cos[:, None], sin[:, None]
         if mask is None and T > 1:
             mask = torch.ones(T, start + T, dtype=torch.bool, device=tokens.device).tril(start)
+        if T > 1 and tokens.shape[0] == 1 and len(self.layers) and self.layers[0].attention.rowwise:
+            mask = row_keys(mask, T, start + T)
         x = self.embed(tokens)
         taps = []
         for i, layer in enumerate(self.layers):
