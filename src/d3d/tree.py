@@ -3,9 +3,11 @@ checked by one target forward.
 
 A round builds a trie rooted at the pending token (the last verified token, not yet in the target's
 cache). Every proposer adds paths to it; shared prefixes merge. Each node gets a score, an estimate of
-the probability that verification reaches it, and the `budget` best nodes (root included) are fed to the
-target in one forward: node i sits at position cache_len + depth(i) and attends to the cached prefix and
-to its own ancestors only, so its logits equal those of its branch run alone. Verification walks down
+the probability that verification reaches it, and the best nodes (root included; at most `budget`, and
+with a cost model only as many as pay for the wider forward, see WidthCost) are fed to the target in one
+forward: node i sits at position cache_len + depth(i) and attends to the cached prefix and to its own
+ancestors only, so its logits equal those of its branch run alone. With a cost model the drafter is
+also skipped in rounds where it has recently not been worth its own cost (TreeProposer.drafting_pays). Verification walks down
 from the root, and the KV rows of the accepted path are then copied into consecutive cache slots
 (O(accepted) copies, nothing recomputed).
 
@@ -18,7 +20,8 @@ each rejection; when all are rejected the token is drawn from r. The emitted tok
 exactly, provided each sampled candidate is drawn from its q independently of the target's draws and
 of everything that decided whether and where it is placed. That holds here: the drafter's slot-j token is
 sampled once from q_j (which depends on the verified text only), sits only at depth j, comes first among
-its node's candidates, and node scores use the slot's largest probability, never the sampled token's.
+its node's candidates, and node scores use the slot's largest probability, never the sampled token's;
+whether the drafter runs depends on verified text only.
 """
 from __future__ import annotations
 
