@@ -1,0 +1,47 @@
+"""The llama.cpp reference runs on the same weights as our runtime, and fails clearly when missing."""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from d3d.errors import D3DError
+from d3d.llamacpp import LlamaCppRunner, reference_gguf
+
+
+@pytest.fixture(scope="module")
+def f32_gguf(smol, tmp_path_factory):
+    """The target's GGUF rewritten as F32, made in a fresh cache folder."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("D3D_CACHE", str(tmp_path_factory.mktemp("cache")))
+        return reference_gguf(smol[2], "f32")
+
+
+def test_f32_gguf_holds_exactly_our_fp32_weights(smol, f32_gguf):
+    from gguf import GGUFReader
+
+    model = smol[0]
+    reader = GGUFReader(f32_gguf)
+    tensors = {t.name: np.asarray(t.data) for t in reader.tensors}
+    assert all(t.tensor_type == 0 for t in reader.tensors)  # F32 everywhere
+    assert np.array_equal(tensors["token_embd.weight"], model.tok_embeddings.weight.numpy())
+    assert np.array_equal(tensors["blk.0.ffn_down.weight"], model.layers[0].feed_forward.w2.weight.numpy())
+    assert np.array_equal(tensors["output_norm.weight"], model.norm.weight.numpy())
+
+
+def test_unknown_weight_type_and_missing_package_are_clear_errors(smol, monkeypatch):
+    with pytest.raises(D3DError, match="must be one of f32, q8_0"):
+        reference_gguf(smol[2], "q2_k")
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import fails as if not installed
+    with pytest.raises(D3DError, match=r"pip install -e \"\.\[llamacpp\]\""):
+        LlamaCppRunner(smol[2] / "x.gguf", smol[1], threads=1)
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("llama_cpp"), reason="llama-cpp-python not installed")
+def test_llama_cpp_generates_with_our_result_fields(smol, f32_gguf, short_answer_ids):
+    runner = LlamaCppRunner(f32_gguf, smol[1], threads=torch.get_num_threads())
+    res = runner(short_answer_ids, max_new_tokens=8)
+    assert 1 <= res.new_tokens <= 8 and res.rounds == res.new_tokens - 1 and res.tau == 1.0
+    assert res.finish_reason in ("eos", "length") and res.text
