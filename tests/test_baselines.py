@@ -3,7 +3,7 @@ import pytest
 import torch
 from sampling_law import chi2_pvalue, exact_law
 from test_drafter import TINY, TinyTokenizer, tiny_examples
-from test_lossless import EOS, MAX_NEW_TINY, PROMPT, TEMP, draw, tiny_model
+from test_lossless import EOS, MAX_NEW_TINY, PROMPT, TEMP, spec_draw, tiny_model
 
 from d3d.ardraft import ARDraftProposer
 from d3d.dflash import DFlashDrafter, DFlashProposer, default_target_layers
@@ -94,7 +94,7 @@ def test_baseline_sampling_has_the_law_of_plain_sampling(kind):
             d = drafter_from_target(tiny_model(noise=0.08), Tok8(), "tiny", [0, 1], 4, kind="ar")
             make = ARDraftProposer
         d = d.eval().requires_grad_(False)
-        samples, rounds = draw(target, TEMP, lambda seed: make(d, 8, max_len=64))
+        samples, rounds = spec_draw(target, TEMP, lambda seed: make(d, 8, max_len=64))
         assert rounds[1] > 100 and sum(v for k, v in rounds.items() if k > 1) > 50
         assert chi2_pvalue(samples, exact_law(target, PROMPT, TEMP, MAX_NEW_TINY, EOS)) > 1e-3
     finally:
