@@ -112,7 +112,7 @@ class RecordedResult(GenerationResult):
     @classmethod
     def from_json(cls, d: dict) -> RecordedResult:
         return cls([], d["token_ids"], d["acceptance_lengths"], d["prefill_s"], d["decode_s"], d["finish_reason"],
-                   d["text"], {k: v for k, v in d.items() if k not in _BASE_KEYS})
+                   d["text"], extra={k: v for k, v in d.items() if k not in _BASE_KEYS})
 
 
 def open_journal(path: Path, header: dict) -> tuple[dict[str, RecordedResult], object]:
