@@ -169,6 +169,35 @@ def commit_first(res: GenerationResult, stopper: StopChecker, first: int, row: t
     return reason
 
 
+def prefill(model, res: GenerationResult, stopper: StopChecker, prompt_ids: list[int], params: SamplingParams,
+            gen: torch.Generator, on_round=None, logprobs: LogprobRecorder | None = None, hidden_layers=None):
+    """The prompt's forward and the first token, committed (commit_first) and timed into res.prefill_s.
+    Returns (working tokens, finish reason or None, decode start time, hidden-state taps or None)."""
+    device = next(model.parameters()).device
+    t0 = time.perf_counter()
+    logits = model(torch.tensor([prompt_ids], device=device), last_only=True, hidden_layers=hidden_layers)
+    taps = None
+    if hidden_layers:
+        logits, taps = logits
+    first = next_token(logits[0, -1], params, gen)
+    sync_device(device)
+    t1 = time.perf_counter()
+    res.prefill_s = t1 - t0
+    reason = commit_first(res, stopper, first, logits[0, -1:], on_round, logprobs)
+    return list(prompt_ids) + [first], reason, t1, taps
+
+
+def finish(res: GenerationResult, stopper: StopChecker, reason: str, t1: float, device,
+           logprobs: LogprobRecorder | None = None) -> GenerationResult:
+    """Close a generation: decode time since t1, finish reason, logprobs, text."""
+    sync_device(device)
+    res.decode_s = time.perf_counter() - t1
+    res.finish_reason = reason
+    res.logprobs = None if logprobs is None else logprobs.entries
+    res.text = stopper.final_text(res.token_ids)
+    return res
+
+
 def sync_device(device) -> None:
     if str(device).startswith("cuda"):
         torch.cuda.synchronize(device)
@@ -198,17 +227,9 @@ def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams | N
         proposer.reset(list(prompt_ids))
 
     taps_of = getattr(proposer, "hidden_layers", None) or None
-    t0 = time.perf_counter()
-    logits = model(torch.tensor([prompt_ids], device=device), last_only=True, hidden_layers=taps_of)
+    tokens, reason, t1, taps = prefill(model, res, stopper, prompt_ids, params, gen, on_round, logprobs, taps_of)
     if taps_of:
-        logits, taps = logits
         proposer.observe(taps)
-    first = next_token(logits[0, -1], params, gen)
-    sync_device(device)
-    t1 = time.perf_counter()
-    res.prefill_s = t1 - t0
-    tokens = list(prompt_ids) + [first]
-    reason = commit_first(res, stopper, first, logits[0, -1:], on_round, logprobs)
     while reason is None:
         if proposer is None:
             logits = model(torch.tensor([[tokens[-1]]], device=device))
@@ -230,9 +251,4 @@ def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams | N
             rows = logits[0, :n + 1]
             res.acceptance_lengths.append(n + 1)
         reason = commit_round(res, stopper, tokens, chunk, on_round, logprobs, rows)
-    sync_device(device)
-    res.decode_s = time.perf_counter() - t1
-    res.finish_reason = reason
-    res.logprobs = None if logprobs is None else logprobs.entries
-    res.text = stopper.final_text(res.token_ids)
-    return res
+    return finish(res, stopper, reason, t1, device, logprobs)

@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 import torch
 
 from .drafter import D3DProposer, sample_draft
-from .engine import (GenerationResult, LogprobRecorder, StopChecker, commit_first, commit_round, sync_device,
+from .engine import (GenerationResult, LogprobRecorder, StopChecker, commit_round, finish, prefill, sync_device,
                      validate_request)
 from .target import D3DError
-from .verify import SamplingParams, make_generator, next_token, probs_from_logits, sample
+from .verify import SamplingParams, make_generator, probs_from_logits, sample
 
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 NGRAM_CONFIDENCE = {1: 0.35, 2: 0.55, 3: 0.7}  # guessed per-token acceptance of an n-gram match of length n
@@ -385,14 +385,7 @@ def generate_tree(model, tokenizer, prompt_ids: list[int], params: SamplingParam
     proposer.params = params
     proposer.reset(list(prompt_ids))
 
-    t0 = time.perf_counter()
-    logits = model(torch.tensor([prompt_ids], device=device), last_only=True)
-    first = next_token(logits[0, -1], params, gen)
-    sync_device(device)
-    t1 = time.perf_counter()
-    res.prefill_s = t1 - t0
-    tokens = list(prompt_ids) + [first]
-    reason = commit_first(res, stopper, first, logits[0, -1:], on_round, logprobs)
+    tokens, reason, t1, _ = prefill(model, res, stopper, prompt_ids, params, gen, on_round, logprobs)
     while reason is None:
         k = min(max_depth, max_new_tokens - len(res.token_ids) - 1)
         tree = proposer.build(tokens, k)
@@ -406,12 +399,7 @@ def generate_tree(model, tokenizer, prompt_ids: list[int], params: SamplingParam
         res.tree_sizes.append(len(tree))
         res.branches.append(_branch(tree, path))
         reason = commit_round(res, stopper, tokens, chunk, on_round, logprobs, logits[[0] + path])
-    sync_device(device)
-    res.decode_s = time.perf_counter() - t1
-    res.finish_reason = reason
-    res.logprobs = None if logprobs is None else logprobs.entries
-    res.text = stopper.final_text(res.token_ids)
-    return res
+    return finish(res, stopper, reason, t1, device, logprobs)
 
 
 # --------------------------------------------------------------------------------------------
