@@ -160,6 +160,11 @@ def test_greedy_equals_plain_decoding_on_real_prompts(smol, prompt_ids, short_an
     ar = generate(model, tok, short_answer_ids, GREEDY, 32)
     res = tree(short_answer_ids, params=GREEDY, max_new_tokens=32, stop=None)
     assert res.token_ids == ar.token_ids and res.finish_reason == ar.finish_reason == "eos"
+    seen, plain = [], []  # a callback taking `branch` (the server's) gets each round's accepted branch
+    res = tree(prompt_ids[0], params=GREEDY, max_new_tokens=16,
+               on_round=lambda chunk, accepted, branch=None: seen.append(branch))
+    tree(prompt_ids[0], params=GREEDY, max_new_tokens=16, on_round=lambda chunk, accepted: plain.append(accepted))
+    assert seen == [None] + res.branches and len(plain) == len(seen)
     res = tree(prompt_ids[0], params=GREEDY, max_new_tokens=5, logprobs=LogprobRecorder())
     ar = generate(model, tok, prompt_ids[0], GREEDY, 5, logprobs=LogprobRecorder())
     assert res.token_ids == ar.token_ids

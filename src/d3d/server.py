@@ -21,7 +21,8 @@ event loop never does work that grows with a request's size.
 Streamed chunks carry, besides the OpenAI fields, a `d3d` object per round: `accepted` (draft tokens
 accepted in the round), `tokens` (the round's token ids), `segments` (the round's text split into
 `{"text", "draft": bool}` pieces: accepted drafts vs the target's own token), running `tau` and
-`tokens_per_s`. The web page uses it; OpenAI clients ignore it.
+`tokens_per_s`, and with d3d-tree `branch` (the proposer(s) of the accepted path: d3d, alt, ngram,
+joined by + when they agree). The web page uses it; OpenAI clients ignore it.
 """
 from __future__ import annotations
 
@@ -504,14 +505,14 @@ class Worker:
         streamer = TextStreamer(tok, r.stop) if r.stream else None
         progress = Progress()
 
-        def on_round(chunk: list[int], accepted: int) -> None:
+        def on_round(chunk: list[int], accepted: int, branch: str | None = None) -> None:
             if job.cancel_flag.is_set():
                 raise Cancelled
             progress.add(chunk, accepted)
             if streamer is not None:
                 segments = [(streamer.push(chunk[:accepted]), True), (streamer.push(chunk[accepted:]), False)]
                 lps = None if fmt is None else fmt.format(recorder.entries[len(progress.ids) - len(chunk):])
-                job.emit("round", list(chunk), accepted, time.perf_counter(), segments, lps)
+                job.emit("round", list(chunk), accepted, time.perf_counter(), segments, lps, branch)
             if job.deadline is not None and time.monotonic() >= job.deadline:
                 raise DeadlineReached
 
@@ -910,7 +911,7 @@ def create_app(gen: Generator, max_queue: int = 16, api_key: str | None = None,
                 yield _sse(chunk(None, role=True))
             while True:
                 if ev[0] == "round":
-                    _, ids, accepted, t, parts, lps = ev
+                    _, ids, accepted, t, parts, lps, branch = ev
                     ntok += len(ids)
                     if t_first is None:
                         t_first = t
@@ -922,6 +923,8 @@ def create_app(gen: Generator, max_queue: int = 16, api_key: str | None = None,
                             "tau": round(round_tokens / rounds, 4) if rounds else 1.0,
                             "tokens_per_s": round((ntok - 1) / (t - t_first), 2) if t > t_first else 0.0,
                             "prefill": rounds == 0}
+                    if branch is not None:  # d3d-tree: which proposer's branch the accepted path came from
+                        info["branch"] = branch
                     yield _sse(chunk("".join(s["text"] for s in segments), logprobs=lps, d3d=info))
                     ev = await next_event(job)
                     continue

@@ -25,6 +25,7 @@ whether the drafter runs depends on verified text only.
 """
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 
@@ -362,6 +363,14 @@ class TreeGenerationResult(GenerationResult):
         return super().to_json() | {"mean_tree_tokens": round(mean, 2), "accepted_branches": counts}
 
 
+def _reporting_branch(on_round, res: TreeGenerationResult):
+    """on_round as the engine calls it, (chunk, accepted); a callback that takes a `branch` keyword (the
+    server's) also gets the proposer(s) of the round's accepted path (None for the prefill's token)."""
+    if on_round is None or "branch" not in inspect.signature(on_round).parameters:
+        return on_round
+    return lambda chunk, accepted: on_round(chunk, accepted, branch=res.branches[-1] if res.branches else None)
+
+
 def _branch(tree: TokenTree, path: list[int]) -> str:
     return "+".join(sorted(tree.sources[path[-1]])) if path else ""
 
@@ -385,6 +394,7 @@ def generate_tree(model, tokenizer, prompt_ids: list[int], params: SamplingParam
     proposer.params = params
     proposer.reset(list(prompt_ids))
 
+    on_round = _reporting_branch(on_round, res)
     tokens, reason, t1, _ = prefill(model, res, stopper, prompt_ids, params, gen, on_round, logprobs)
     while reason is None:
         k = min(max_depth, max_new_tokens - len(res.token_ids) - 1)
