@@ -70,7 +70,7 @@ class Int8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if self.smooth is not None:
             rows = rows * self.smooth
-        peak = rows.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
+        peak = torch.linalg.vector_norm(rows, float("inf"), dim=1, keepdim=True).clamp_min_(1e-12)  # max |x|
         y = torch.ops.quantized.linear_dynamic(torch.cat([rows / peak, self.anchor]), self.packed, True)[:-1] * peak
         if self.bias is not None:
             y = y + self.bias
