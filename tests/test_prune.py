@@ -41,6 +41,9 @@ def test_bypassed_layer_equals_a_model_built_without_it():
     assert removed.cfg.init_layers == [0, 2] and removed.cfg.args["n_layers"] == 2
     assert torch.allclose(fresh_draft(removed, seq), expected, atol=1e-6)
     assert not torch.allclose(fresh_draft(full, seq), expected, atol=1e-3)  # the layer did matter
+    full.cfg.from_target = [0, 2]  # a delta drafter: stack layers 0 and 2 are the target's own
+    assert removed.cfg.from_target == [] and remove_layers(full, {1}).cfg.from_target == [0, 1]
+    assert remove_layers(full, {0}).cfg.from_target == [1]
 
 
 def test_healing_continues_the_drafters_own_objective():

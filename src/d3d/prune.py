@@ -35,7 +35,8 @@ def remove_layers(drafter: Drafter, drop: set[int] | list[int]) -> Drafter:
     keep = [i for i in range(len(drafter.layers)) if i not in set(drop)]
     init = drafter.cfg.init_layers
     cfg = replace(drafter.cfg, args=drafter.cfg.args | {"n_layers": len(keep)},
-                  init_layers=[init[i] for i in keep] if len(init) == len(drafter.layers) else [])
+                  init_layers=[init[i] for i in keep] if len(init) == len(drafter.layers) else [],
+                  from_target=[keep.index(i) for i in drafter.cfg.from_target if i in keep])
     state = {}
     for k, v in drafter.state_dict().items():
         if "cache" in k:
