@@ -140,7 +140,7 @@ def load(target: str | None = None, method: str = BEST_METHOD, drafter: str | No
     """Load a target and a decoding method; returns a Generator (see Generator.generate).
 
     target: a Hugging Face model folder or .gguf file (None = the embedded SmolLM2-135M-Instruct);
-    method: one of d3d.methods.METHODS (default: BEST_METHOD); drafter: checkpoint for drafter-based
+    method: a registered method name (d3d.registry; default: BEST_METHOD); drafter: checkpoint for drafter-based
     methods (None = the one shipped for the target); threads: torch CPU threads (None = leave torch's
     setting alone; it is process-wide); quantize: None (fp32) or "int8" (target and drafter)."""
     methods = parse_methods(method)

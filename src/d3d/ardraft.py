@@ -9,9 +9,13 @@ every draft, -1 otherwise, within [1, max_k].
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from .drafter import Drafter, draft_generator, sample_draft
+from .engine import generate
+from .registry import Method, Setup, register
 from .verify import SamplingParams
 
 
@@ -60,3 +64,12 @@ class ARDraftProposer:
                 d.cached_tokens.append(tok)
         self.last = (len(tokens), draft)
         return draft, torch.cat(qs) if qs else None
+
+
+def _ar_draft_runner(s: Setup):
+    proposer = ARDraftProposer(s.drafter("ar", "ar-draft"), s.model.args.vocab_size, max_len=s.model.args.max_seq_len)
+    return partial(generate, s.model, s.tokenizer, proposer=proposer, block_size=s.block_size)
+
+
+AR_DRAFT = register(Method("ar-draft", _ar_draft_runner, help="baseline: a small autoregressive drafter",
+                           drafter_kind="ar", drafter_suffix="-ar", drafter_option="ar-drafter"))

@@ -19,6 +19,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -28,6 +29,7 @@ from .engine import (GenerationResult, LogprobRecorder, StopChecker, commit_firs
                      validate_request)
 from .errors import D3DError
 from .packed import keep_prefix, likely_candidates, packed_draft, prefill
+from .registry import Method, Setup, register
 from .verify import SamplingParams, make_generator, next_token, verify
 
 VERIFY_TID, DRAFT_TID = 0, 1
@@ -270,3 +272,30 @@ def write_chrome_trace(events: list[dict], path: str | Path) -> None:
     meta = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": name}}
             for tid, name in names.items()]
     Path(path).write_text(json.dumps({"traceEvents": meta + list(events), "displayTimeUnit": "ms"}) + "\n")
+
+
+def _split_cpu_threads(run):
+    """On one CPU the verifier (main thread) and the drafter (worker thread) each run their own OpenMP
+    team; with the full thread count on both, 2 x N threads fight over N cores and both collapse. So
+    each side gets half the cores while an asynchronous generation runs."""
+
+    def wrapped(*args, **kwargs) -> GenerationResult:
+        n = torch.get_num_threads()
+        torch.set_num_threads(max(1, n // 2))
+        try:
+            return run(*args, **kwargs)
+        finally:
+            torch.set_num_threads(n)
+
+    return wrapped
+
+
+def _async_runner(s: Setup):
+    d = s.drafter("d3d", "d3d-async", device=s.draft_device or s.device)
+    run = partial(generate_async, s.model, s.tokenizer, drafter=d, draft_device=s.draft_device)
+    on_cpu = str(next(d.parameters()).device) == "cpu" == s.device
+    return _split_cpu_threads(run) if on_cpu else run
+
+
+D3D_ASYNC = register(Method("d3d-async", _async_runner, drafter_kind="d3d",
+                            help="D3D with the next block drafted for every outcome while the target verifies"))

@@ -102,7 +102,9 @@ def _int_list(spec: str, flag: str) -> list[int]:
 
 def _drafter_for(method: str, args: argparse.Namespace) -> str | None:
     """The --drafter / --dflash-drafter / --ar-drafter path that `method` uses (checked to exist)."""
-    path = {"dflash": args.dflash_drafter, "ar-draft": args.ar_drafter}.get(method, args.drafter)
+    from .registry import get
+
+    path = getattr(args, get(method).drafter_option.replace("-", "_"), None)
     _check_drafter(path)
     return path
 
@@ -470,7 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate a continuation of one prompt")
     g.add_argument("prompt")
-    g.add_argument("--method", default="ar", help="ar, ngram, ... (see d3d.methods.METHODS)")
+    g.add_argument("--method", default="ar", help="ar, ngram, d3d, d3d-async, d3d-tree, ... (see d3d.registry)")
     _add_sampling_args(g, seed=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of the text")

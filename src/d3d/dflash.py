@@ -12,11 +12,15 @@ verification of the previous block, drafting and verifying alternate strictly (s
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from .drafter import Drafter, DrafterConfig, draft_generator, sample_draft
+from .engine import generate
+from .registry import Method, Setup, register
 from .target import Block, RMSNorm
 from .verify import SamplingParams
 
@@ -116,3 +120,12 @@ class DFlashProposer:
             raise RuntimeError(f"dflash context holds {self.drafter.cache_len} positions, expected {len(tokens) - 1}")
         logits = self.drafter.draft(tokens[-1])[:k]
         return sample_draft(self.drafter, logits, self.params, self.vocab_size, self.generator)
+
+
+def _dflash_runner(s: Setup):
+    proposer = DFlashProposer(s.drafter("dflash", "dflash"), s.model.args.vocab_size, max_len=s.model.args.max_seq_len)
+    return partial(generate, s.model, s.tokenizer, proposer=proposer, block_size=s.block_size)
+
+
+DFLASH = register(Method("dflash", _dflash_runner, help="baseline: a DFlash-style drafter reading the target's hidden states",
+                         drafter_kind="dflash", drafter_suffix="-dflash", drafter_option="dflash-drafter"))

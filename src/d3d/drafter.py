@@ -21,12 +21,15 @@ import hashlib
 import json
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
+from .engine import generate
 from .quantize import apply_quantize
+from .registry import Method, Setup, register
 from .target import D3DError, ModelArgs, Transformer, pack_linears, rope_frequencies
 from .verify import SamplingParams
 
@@ -358,3 +361,12 @@ def sample_draft(drafter: Drafter, logits: torch.Tensor, params: SamplingParams,
     full = torch.zeros(q.shape[0], vocab_size, dtype=q.dtype, device=q.device)
     full.scatter_(-1, drafter.draft_ids.expand_as(q), q)
     return drafter.draft_ids[picks].tolist(), full
+
+
+def _d3d_runner(s: Setup):
+    d = s.drafter("d3d", "d3d")
+    proposer = D3DProposer(d, s.model.args.vocab_size, max_len=s.model.args.max_seq_len)
+    return partial(generate, s.model, s.tokenizer, proposer=proposer, block_size=d.block_size)
+
+
+D3D = register(Method("d3d", _d3d_runner, help="the D3D diffusion drafter, draft then verify", drafter_kind="d3d"))

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Protocol
 
 import torch
 
 from .errors import D3DError
+from .registry import Method, register
 from .verify import SamplingParams, make_generator, next_token, verify
 
 
@@ -252,3 +254,6 @@ def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams | N
             res.acceptance_lengths.append(n + 1)
         reason = commit_round(res, stopper, tokens, chunk, on_round, logprobs, rows)
     return finish(res, stopper, reason, t1, device, logprobs)
+
+
+AR = register(Method("ar", lambda s: partial(generate, s.model, s.tokenizer), help="plain decoding (the reference)"))

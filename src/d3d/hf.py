@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from .engine import GenerationResult, LogprobRecorder, sync_device
+from .registry import Method, register
 from .verify import SamplingParams
 
 PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value
@@ -86,3 +87,10 @@ class HFRunner:
         if on_round is not None:  # transformers gives no per-round hook here: one chunk at the end
             on_round(ids, max(0, len(ids) - 1 - len(res.acceptance_lengths)))
         return res
+
+
+HF = register(Method("hf", lambda s: HFRunner(load_hf_model(s.model_dir, s.device), s.tokenizer, prompt_lookup=False),
+                     help="reference: transformers' generate"))
+HF_LOOKUP = register(Method(
+    "hf-lookup", lambda s: HFRunner(load_hf_model(s.model_dir, s.device), s.tokenizer, prompt_lookup=True),
+    help="reference: transformers' prompt-lookup assisted generation"))

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from .engine import GenerationResult, StopChecker
 from .errors import D3DError
+from .registry import Method, Setup, register
 from .verify import SamplingParams
 
 WEIGHT_TYPES = ("f32", "q8_0")
@@ -127,3 +128,16 @@ class LlamaCppRunner:
         res.finish_reason = reason or "length"
         res.text = stopper.final_text(res.token_ids)
         return res
+
+
+def _llama_cpp(weights: str):
+    def build(s: Setup) -> LlamaCppRunner:
+        import torch
+
+        return LlamaCppRunner(reference_gguf(s.model_dir, weights), s.tokenizer, threads=torch.get_num_threads(),
+                              context=s.model.args.max_seq_len)
+    return build
+
+
+LLAMA_CPP = register(Method("llama-cpp", _llama_cpp("f32"), help="reference: llama.cpp on GGUF F32 of the same weights"))
+LLAMA_CPP_Q8 = register(Method("llama-cpp-q8", _llama_cpp("q8_0"), help="reference: llama.cpp on GGUF Q8_0"))

@@ -1,7 +1,12 @@
 """Prompt-lookup (n-gram) proposer: copy what followed the latest earlier occurrence of the last n tokens."""
 from __future__ import annotations
 
+from functools import partial
+
 import torch
+
+from .engine import generate
+from .registry import Method, register
 
 
 class NgramProposer:
@@ -24,3 +29,8 @@ class NgramProposer:
                     if follow:
                         return follow, None
         return [], None
+
+
+NGRAM = register(Method(
+    "ngram", lambda s: partial(generate, s.model, s.tokenizer, proposer=NgramProposer(), block_size=s.block_size),
+    help="n-gram prompt lookup"))

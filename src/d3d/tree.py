@@ -28,12 +28,14 @@ from __future__ import annotations
 import inspect
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
 from .drafter import D3DProposer, sample_draft
 from .engine import (GenerationResult, LogprobRecorder, StopChecker, commit_round, finish, prefill, sync_device,
                      validate_request)
+from .registry import Method, Setup, register
 from .target import D3DError
 from .verify import SamplingParams, make_generator, probs_from_logits, sample
 
@@ -516,3 +518,15 @@ def auto_tree(model, proposer: D3DProposer) -> TreeProposer:
     curve = width_cost_curve(model)
     base = proposer.drafter.block_size
     return TreeProposer(proposer, choose_budget(curve, base), cost=WidthCost(curve, drafter_cost(proposer)))
+
+
+def _tree_runner(s: Setup):
+    d = s.drafter("d3d", "d3d-tree")
+    proposer = D3DProposer(d, s.model.args.vocab_size, max_len=s.model.args.max_seq_len)
+    budget = s.options.get("tree_budget")
+    tree = TreeProposer(proposer, budget) if budget else auto_tree(s.model, proposer)
+    return partial(generate_tree, s.model, s.tokenizer, proposer=tree, max_depth=d.block_size - 1)
+
+
+D3D_TREE = register(Method("d3d-tree", _tree_runner, drafter_kind="d3d",
+                           help="the drafter's block, its alternatives and n-gram matches verified as one token tree"))

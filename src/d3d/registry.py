@@ -1,0 +1,79 @@
+"""The method registry: every decoding method is one `Method`, declared in its proposer's own module.
+
+A method says how to build a runner (prompt_ids, params=..., max_new_tokens=..., stop=...) ->
+GenerationResult for one loaded target, and which learned drafter it needs, if any. The CLI's
+--method choices and drafter options, the bench's settings and the server all read the registry,
+so adding a method is one `register(Method(...))` next to its proposer (d3d.methods imports the
+built-in ones).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .errors import D3DError
+
+DEFAULT_DRAFTERS = Path(__file__).parent / "assets" / "drafters"
+
+
+@dataclass
+class Setup:
+    """What a method's runner is built from: the loaded target, the drafter checkpoint chosen for it
+    (None for methods without one) and the method options the user gave."""
+    model: object
+    tokenizer: object
+    model_dir: Path
+    drafter_path: Path | None = None
+    block_size: int = 16
+    draft_device: str | None = None
+    options: dict = field(default_factory=dict)
+
+    @property
+    def device(self) -> str:
+        return str(next(self.model.parameters()).device)
+
+    def drafter(self, kind: str, method: str, device: str | None = None):
+        """The drafter checkpoint loaded for this target, checked to be of `kind`."""
+        from .drafter import load_drafter
+
+        d = load_drafter(self.drafter_path, self.model, self.tokenizer, device=device or self.device)
+        if d.cfg.kind != kind:
+            hint = {"d3d": "d3d", "dflash": "dflash", "ar": "ar-draft"}.get(d.cfg.kind, d.cfg.kind)
+            raise D3DError(f"method {method} needs a drafter of kind {kind!r}; {self.drafter_path} is "
+                           f"{d.cfg.kind!r} (a drafter of kind {d.cfg.kind!r} is for --method {hint})")
+        return d
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    build: Callable[[Setup], Callable]
+    help: str = ""
+    drafter_kind: str | None = None  # the learned drafter it loads ("d3d", "dflash", "ar"); None: none
+    drafter_suffix: str = ""         # its shipped checkpoint: assets/drafters/<target name><suffix>
+    drafter_option: str = "drafter"  # the CLI option that names another checkpoint for it
+
+
+REGISTRY: dict[str, Method] = {}
+
+
+def register(method: Method) -> Method:
+    """Add (or replace) a method; returns it, so a module can write METHOD = register(Method(...))."""
+    REGISTRY[method.name] = method
+    return method
+
+
+def get(name: str) -> Method:
+    if name not in REGISTRY:
+        raise D3DError(f"unknown method {name!r}; choose from {', '.join(sorted(REGISTRY))}")
+    return REGISTRY[name]
+
+
+def default_drafter(model_dir: Path, suffix: str = "") -> Path:
+    """The drafter shipped for a target (by the target folder's name), or a clear error."""
+    path = DEFAULT_DRAFTERS / (Path(model_dir).name + suffix)
+    if not (path / "drafter.json").exists():
+        raise D3DError(f"no drafter is shipped at {path.name} for target {Path(model_dir).name}; train one with "
+                       f"`d3d train` and pass --drafter PATH")
+    return path

@@ -1,0 +1,61 @@
+"""A new method is one registered object: a toy proposer added here, and nowhere else, works in
+`d3d generate --method`, `d3d bench --methods` and the Python API / server front door (d3d.load)."""
+from __future__ import annotations
+
+import json
+from functools import partial
+
+import pytest
+
+from d3d.cli import main
+from d3d.engine import generate
+from d3d.errors import D3DError
+from d3d.methods import make_runner, parse_methods
+from d3d.registry import REGISTRY, Method, register
+
+
+class RepeatLast:
+    """Proposes the last token k times: often wrong, so verification does all the work."""
+
+    def reset(self, prompt_ids):
+        pass
+
+    def propose(self, tokens, k):
+        return [tokens[-1]] * k, None
+
+
+@pytest.fixture
+def toy():
+    method = register(Method("toy-repeat", lambda s: partial(generate, s.model, s.tokenizer, proposer=RepeatLast(),
+                                                              block_size=4), help="test only"))
+    yield method
+    del REGISTRY[method.name]
+
+
+def test_a_registered_method_runs_everywhere(toy, smol, tmp_path, capsys):
+    model, tok, model_dir = smol
+    ids = tok.encode("Count: 1, 1, 1, 1,", add_special_tokens=False)
+    assert make_runner("toy-repeat", model, tok, model_dir)(ids, max_new_tokens=12).token_ids == \
+        make_runner("ar", model, tok, model_dir)(ids, max_new_tokens=12).token_ids
+
+    assert main(["generate", "What is 2+3?", "--method", "toy-repeat", "--max-new-tokens", "8", "--json",
+                 "--threads", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["method"] == "toy-repeat"
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Name three colours."}\n')
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--prompts", str(prompts), "--methods", "toy-repeat", "--max-new-tokens", "8",
+                 "--out", str(out), "--threads", "1"]) == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows["toy-repeat"]["lossless"] is True
+
+    from d3d import load
+
+    gen = load(method="toy-repeat")
+    assert gen.method == "toy-repeat" and gen.generate("Hi!", max_new_tokens=4)
+
+
+def test_unknown_methods_name_the_registered_ones():
+    with pytest.raises(D3DError, match="unknown method .nope.; choose from ar, ar-draft, d3d, d3d-async"):
+        parse_methods("ar,nope")
