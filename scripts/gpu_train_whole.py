@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from d3d.data import Example, atomic_write_json, save_shard
+from d3d.data import Example, atomic_write_json, generate_batch, save_shard
 from d3d.drafter import drafter_from_target, save_drafter, weight_files
 from d3d.errors import D3DError
 from d3d.prompts import (CALIBRATION_SETS, SHAREGPT_HELDOUT_POOL, _sharegpt_shuffled, benchmark_prompt_hashes,
@@ -123,55 +123,6 @@ def write_prompts(path: Path, prompts: list[tuple[str, str]]) -> None:
 
 
 @torch.no_grad()
-def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, eos: int, temperature: float = 0.0,
-                   generator: torch.Generator | None = None) -> list[list[int]]:
-    """Answers for a batch of prompts (left padding, pad keys masked, per-row rotary positions), greedy or
-    sampled. Unlike d3d.data.generate_batch, the step's tokens reach the host in one copy, and rows that
-    finished are compacted out of the batch (KV cache included) once fewer than 3/4 are live."""
-    device = model.output.weight.device
-    B, P = len(prompts), max(len(p) for p in prompts)
-    tokens = torch.zeros(B, P, dtype=torch.long)
-    valid = torch.zeros(B, P + max_new_tokens, dtype=torch.bool)
-    for i, p in enumerate(prompts):
-        tokens[i, P - len(p):] = torch.tensor(p)
-        valid[i, P - len(p):] = True
-    valid[:, P:] = True
-    tokens, valid = tokens.to(device), valid.to(device)
-    model.setup_cache(B, P + max_new_tokens)
-    pos = valid[:, :P].long().cumsum(-1) - 1
-    causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
-    eye = torch.eye(P, dtype=torch.bool, device=device)
-    mask = (causal[None] & valid[:, None, :P]) | eye  # pads see themselves: no NaN
-    logits = model(tokens, mask=mask[:, None], positions=pos.clamp(min=0), last_only=True)[:, -1]
-    rows, out, done = list(range(B)), [[] for _ in range(B)], [False] * B
-    next_pos = pos[:, -1] + 1
-    for step in range(max_new_tokens):
-        if temperature > 0:
-            probs = torch.softmax(logits.float() / temperature, -1)
-            nxt = torch.multinomial(probs, 1, generator=generator)[:, 0]
-        else:
-            nxt = logits.argmax(-1)
-        for r, t in zip(rows, nxt.tolist()):
-            if not done[r]:
-                out[r].append(t)
-                done[r] = t == eos
-        live = [j for j, r in enumerate(rows) if not done[r]]
-        if not live or step == max_new_tokens - 1:
-            break
-        if len(live) < len(rows) * 3 // 4:
-            keep = torch.tensor(live, device=device)
-            for layer in model.layers:
-                layer.attention.k_cache = layer.attention.k_cache[keep].contiguous()
-                layer.attention.v_cache = layer.attention.v_cache[keep].contiguous()
-            model.max_batch = len(live)
-            rows, nxt, valid, next_pos = [rows[j] for j in live], nxt[keep], valid[keep], next_pos[keep]
-        L = model.cache_len
-        logits = model(nxt[:, None], mask=valid[:, None, None, :L + 1], positions=next_pos[:, None],
-                       last_only=True)[:, -1]
-        next_pos = next_pos + 1
-    return out
-
-
 def distil(model, tok, prompts: list[tuple[str, str]], out: Path, args, log) -> list[Example]:
     """Generate answers until args.gen_tokens response tokens exist or args.gen_seconds pass; greedy
     pass first, then sampled passes. Writes `d3d data` shards + manifest into `out`."""
@@ -186,7 +137,7 @@ def distil(model, tok, prompts: list[tuple[str, str]], out: Path, args, log) -> 
             if total >= args.gen_tokens or time.time() - t0 > args.gen_seconds:
                 break
             chunk = encoded[b:b + args.gen_batch]
-            answers = generate_batch(model, [e[2] for e in chunk], args.max_new_tokens, tok.eos_token_id,
+            answers = generate_batch(model, [e[2] for e in chunk], args.max_new_tokens, {tok.eos_token_id},
                                      temperature, gen)
             for (s, p, ids), r in zip(chunk, answers):
                 src = s if sweep == 0 else f"{s}@T{temperature}"

@@ -80,11 +80,13 @@ def load_dataset(folder: str | Path, max_shards: int | None = None) -> list[Exam
 
 
 @torch.no_grad()
-def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int]) -> list[list[int]]:
-    """Greedy responses for a batch of prompts: left padding, pad keys masked, per-row rotary positions.
-
-    Rows that finish are compacted out of the batch so the cost follows the live rows.
-    """
+def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int], temperature: float = 0.0,
+                   generator: torch.Generator | None = None) -> list[list[int]]:
+    """Responses for a batch of prompts, greedy (temperature 0) or sampled: left padding, pad keys
+    masked, per-row rotary positions, on the model's device; each step's tokens reach the host in one
+    copy. Rows that finish are compacted out of the batch (KV cache included) once fewer than 3/4 are
+    live, so the cost follows the live rows."""
+    device = next(model.parameters()).device
     B, P = len(prompts), max(len(p) for p in prompts)
     tokens = torch.zeros(B, P, dtype=torch.long)
     valid = torch.zeros(B, P + max_new_tokens, dtype=torch.bool)
@@ -92,35 +94,36 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids
         tokens[i, P - len(p):] = torch.tensor(p)
         valid[i, P - len(p):] = True
     valid[:, P:] = True
+    tokens, valid = tokens.to(device), valid.to(device)
     model.setup_cache(B, P + max_new_tokens)
     pos = valid[:, :P].long().cumsum(-1) - 1
-    causal = torch.ones(P, P, dtype=torch.bool).tril()
-    mask = (causal[None] & valid[:, None, :P]) | torch.eye(P, dtype=torch.bool)  # pads see themselves: no NaN
-    logits = model(tokens, mask=mask[:, None], positions=pos.clamp(min=0),
-                   last_only=True)
-    rows = list(range(B))
-    out: list[list[int]] = [[] for _ in range(B)]
-    done = [False] * B
+    causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
+    mask = (causal[None] & valid[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=device)  # pads see themselves
+    logits = model(tokens, mask=mask[:, None], positions=pos.clamp(min=0), last_only=True)[:, -1]
+    rows, out, done = list(range(B)), [[] for _ in range(B)], [False] * B
     next_pos = pos[:, -1] + 1
     for step in range(max_new_tokens):
-        nxt = logits[:, -1].argmax(-1)
-        for j, r in enumerate(rows):
+        if temperature > 0:
+            nxt = torch.multinomial(torch.softmax(logits.float() / temperature, -1), 1, generator=generator)[:, 0]
+        else:
+            nxt = logits.argmax(-1)
+        for r, t in zip(rows, nxt.tolist()):
             if not done[r]:
-                out[r].append(int(nxt[j]))
-                done[r] = int(nxt[j]) in eos_ids
+                out[r].append(t)
+                done[r] = t in eos_ids
         live = [j for j, r in enumerate(rows) if not done[r]]
         if not live or step == max_new_tokens - 1:
             break
         if len(live) < len(rows) * 3 // 4:
-            keep = torch.tensor(live)
+            keep = torch.tensor(live, device=device)
             for layer in model.layers:
                 layer.attention.k_cache = layer.attention.k_cache[keep].contiguous()
                 layer.attention.v_cache = layer.attention.v_cache[keep].contiguous()
             model.max_batch = len(live)
             rows, nxt, valid, next_pos = [rows[j] for j in live], nxt[keep], valid[keep], next_pos[keep]
         L = model.cache_len
-        mask = valid[:, None, None, :L + 1]
-        logits = model(nxt[:, None], mask=mask, positions=next_pos[:, None], last_only=True)
+        logits = model(nxt[:, None], mask=valid[:, None, None, :L + 1], positions=next_pos[:, None],
+                       last_only=True)[:, -1]
         next_pos = next_pos + 1
     return out
 
