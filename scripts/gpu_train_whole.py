@@ -39,7 +39,8 @@ from d3d.drafter import drafter_from_target, save_drafter, weight_files
 from d3d.errors import D3DError
 from d3d.prompts import (CALIBRATION_SETS, SHAREGPT_HELDOUT_POOL, _sharegpt_shuffled, benchmark_prompt_hashes,
                          calibration_prompts, prompt_hash, training_mix)
-from d3d.target import DEFAULT_TARGET, encode_prompt, load_target
+from d3d.checkpoints import DEFAULT_TARGET
+from d3d.target import encode_prompt, load_target
 from d3d.train import (TrainConfig, batch_to, evaluate, losses, lr_at, make_batch, trainable_parameters,
                        vocab_map_for)
 

@@ -276,7 +276,8 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 def cmd_data(args: argparse.Namespace) -> None:
     from .data import build_dataset
-    from .target import DEFAULT_TARGET, load_target
+    from .checkpoints import DEFAULT_TARGET
+    from .target import load_target
 
     model, tok, model_dir = load_target(args.target)
     log_path = Path(args.out) / "progress.log"
@@ -298,7 +299,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         raise D3DError(f"no dataset at {args.data} (build one with `d3d data --out {args.data}`)")
     _check_max_shards(args.max_shards)
     from .dflash import default_target_layers
-    from .target import read_hf_config, resolve_target
+    from .checkpoints import read_hf_config, resolve_target
 
     if args.init:
         _check_drafter(args.init)

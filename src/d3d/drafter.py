@@ -30,7 +30,8 @@ import torch.nn as nn
 from .engine import generate
 from .quantize import apply_quantize
 from .registry import Method, Setup, register
-from .target import D3DError, ModelArgs, Transformer, pack_linears, rope_frequencies
+from .errors import D3DError
+from .target import ModelArgs, Transformer, pack_linears, rope_frequencies
 from .verify import SamplingParams
 
 CONFIG_NAME = "drafter.json"

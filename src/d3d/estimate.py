@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import D3DError
     from .prompts import BENCHMARKS
     from .quantize import apply_quantize
-    from .target import DEFAULT_TARGET, load_target
+    from .checkpoints import DEFAULT_TARGET
+    from .target import load_target
 
     p = argparse.ArgumentParser(prog="python -m d3d.estimate")
     p.add_argument("--drafter", required=True, help=f"drafter folder, or {WHOLE_TARGET}")

@@ -26,7 +26,7 @@ WEIGHT_TYPES = ("f32", "q8_0")
 
 def source_gguf(model_dir: Path) -> Path:
     """The GGUF file a target folder was converted from (the embedded default's, or a `--target X.gguf`)."""
-    from .target import _GGUF_FILE, _GGUF_MODULE, _GGUF_PACKAGE, DEFAULT_TARGET, SOURCE_FILE, find_package_file
+    from .checkpoints import _GGUF_FILE, _GGUF_MODULE, _GGUF_PACKAGE, DEFAULT_TARGET, SOURCE_FILE, find_package_file
 
     record = Path(model_dir) / SOURCE_FILE
     if record.exists():
@@ -75,7 +75,7 @@ def convert_gguf(src: Path, dst: Path, weights: str) -> Path:
 
 def reference_gguf(model_dir: Path, weights: str = "f32") -> Path:
     """The cached GGUF of the target's weights as `weights` (f32 or q8_0), made once."""
-    from .target import cache_dir
+    from .checkpoints import cache_dir
 
     if weights not in WEIGHT_TYPES:
         raise D3DError(f"llama.cpp weights must be one of {', '.join(WEIGHT_TYPES)} (got {weights!r})")

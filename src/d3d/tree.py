@@ -35,8 +35,8 @@ import torch
 from .drafter import D3DProposer, sample_draft
 from .engine import (GenerationResult, LogprobRecorder, StopChecker, commit_round, finish, prefill, sync_device,
                      validate_request)
+from .errors import D3DError
 from .registry import Method, Setup, register
-from .target import D3DError
 from .verify import SamplingParams, make_generator, probs_from_logits, sample
 
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)

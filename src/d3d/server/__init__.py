@@ -1,0 +1,34 @@
+"""`d3d serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) around one Generator.
+
+Modules: requests (parsing bodies into GenRequest, OpenAI-style errors), streaming (text deltas and
+logprobs), worker (the generation thread and its queue), metrics (Prometheus), security (the Guard
+middleware), app (endpoints and start-up).
+
+Endpoints: GET / (a web page showing drafting live), GET /health, GET /v1/models,
+POST /v1/chat/completions, POST /v1/completions (plain JSON or server-sent events), GET /metrics
+(Prometheus text format).
+
+Security (the Guard middleware, before any endpoint runs): with an API key every path but /health needs
+`Authorization: Bearer KEY` (or HTTP Basic with KEY as the password, for the web page); a request with
+an `Origin` header must come from the server's own origin (or one given with --allow-origin); a POST
+must be `Content-Type: application/json`. Bodies are read in pieces and refused (413) past 4 MB.
+
+Concurrency: one model, one generation worker thread, a bounded FIFO queue in front of it. A request
+that finds `max_queue` requests already waiting behind the running one gets 503. Each request has a
+task that waits for the client's disconnect (streaming or not): the request is then dropped from the
+queue, or its generation stopped at the next round (the engine's on_round callback raises), so its
+slot frees at once. With a request timeout, a request still queued at its deadline gets 504 and a
+running one is cut at the next round (finish_reason "length", d3d.finish_reason "timeout").
+Tokenisation runs in a helper thread, text decoding and stop handling in the worker thread, so the
+event loop never does work that grows with a request's size.
+
+Streamed chunks carry, besides the OpenAI fields, a `d3d` object per round: `accepted` (draft tokens
+accepted in the round), `tokens` (the round's token ids), `segments` (the round's text split into
+`{"text", "draft": bool}` pieces: accepted drafts vs the target's own token), running `tau` and
+`tokens_per_s`, and with d3d-tree `branch` (the proposer(s) of the accepted path: d3d, alt, ngram,
+joined by + when they agree). The web page uses it; OpenAI clients ignore it.
+"""
+from .app import check_address, create_app, serve
+from .streaming import TextStreamer
+
+__all__ = ["check_address", "create_app", "serve", "TextStreamer"]
