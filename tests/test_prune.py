@@ -4,11 +4,11 @@ import random
 
 import pytest
 import torch
-from test_drafter import TINY, TinyTokenizer
+from test_drafter import TINY, TinyTokenizer, tiny_examples
 
 from d3d.drafter import drafter_from_target
 from d3d.plots import plot_pruning
-from d3d.prune import bypassed, calibration_tau, heal_config, prune, pruning_report, remove_layers
+from d3d.prune import bypassed, calibration_tau, heal_config, healer, prune, pruning_report, remove_layers
 from d3d.target import ModelArgs, Transformer
 from d3d.train import TrainConfig
 
@@ -169,3 +169,12 @@ def test_with_healing_the_stopping_rule_judges_the_healed_drafter(tmp_path, monk
     assert len(pruned.layers) == 2 and len(state["steps"]) == 1
     assert state["steps"][0]["tau"]["mean"] == 1.7 and state["steps"][0]["tau_unhealed"]["mean"] == 1.2
     assert "best 1.1 after healing" in state["stopped"]
+
+
+def test_healer_fine_tunes_and_leaves_the_drafter_frozen(tmp_path):
+    d = drafter_with([0, 1])
+    before = d.layers[1].feed_forward.w2.weight.clone()
+    healer(tiny_examples(16), 2, 1e-3, tmp_path)(d)
+    assert not torch.equal(d.layers[1].feed_forward.w2.weight, before)
+    assert not any(p.requires_grad for p in d.parameters()) and not d.training
+

@@ -14,15 +14,6 @@ from pathlib import Path
 
 from .errors import D3DError
 
-DEMO_PROMPTS = (
-    ("math", "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-             "How many clips did Natalia sell altogether in April and May? Think step by step."),
-    ("code", "Write a short Python function `is_palindrome(s)` that returns True if the string s reads the "
-             "same forwards and backwards, ignoring case. Then show one example call."),
-    ("chat", "What are three simple tips for getting better sleep?"),
-)
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse with the same one-line `d3d: error: ...` format as every other error."""
 
@@ -243,35 +234,10 @@ def cmd_report(args: argparse.Namespace) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    from .methods import BEST_METHOD, make_runner
-    from .target import encode_prompt
-    from .verify import SamplingParams
+    from .demo import run_demo
 
     _check_budget(args.max_new_tokens, 16)
-    model, tok, model_dir = _load_target(args.target)
-    ar = make_runner("ar", model, tok, model_dir)
-    best = make_runner(BEST_METHOD, model, tok, model_dir)
-    params = SamplingParams()
-    print(f"d3d demo: {BEST_METHOD} vs plain autoregressive decoding (ar), greedy, "
-          f"{args.max_new_tokens} new tokens, {_num_threads()} CPU threads", flush=True)
-    warm = encode_prompt(tok, "Hello!")
-    ar(warm, params=params, max_new_tokens=4)
-    best(warm, params=params, max_new_tokens=4)
-
-    speedups, taus = [], []
-    for i, (kind, prompt) in enumerate(DEMO_PROMPTS, 1):
-        ids = encode_prompt(tok, prompt)
-        a = ar(ids, params=params, max_new_tokens=args.max_new_tokens)
-        b = best(ids, params=params, max_new_tokens=args.max_new_tokens)
-        speedup = b.tokens_per_s / a.tokens_per_s if a.tokens_per_s > 0 else 0.0
-        speedups.append(speedup)
-        taus.append(b.tau)
-        print(f"\n[{i}/{len(DEMO_PROMPTS)}] {kind}: {prompt}\n{'-' * 60}\n{b.text.strip()}\n{'-' * 60}")
-        print(f"{BEST_METHOD}: tau {b.tau:.2f}, {b.tokens_per_s:.1f} tok/s | ar: {a.tokens_per_s:.1f} tok/s | "
-              f"speedup {speedup:.2f}x | identical to ar: {'yes' if a.token_ids == b.token_ids else 'NO'}",
-              flush=True)
-    print(f"\nsummary: {BEST_METHOD} over {len(DEMO_PROMPTS)} prompts: mean speedup "
-          f"{sum(speedups) / len(speedups):.2f}x, mean tau {sum(taus) / len(taus):.2f}")
+    run_demo(*_load_target(args.target), args.max_new_tokens)
 
 
 def cmd_data(args: argparse.Namespace) -> None:
@@ -347,8 +313,7 @@ def cmd_prune(args: argparse.Namespace) -> None:
     from .methods import default_drafter
     from .plots import plot_pruning
     from .prompts import CALIBRATION_SETS
-    from .prune import calibration_data, heal_config, prune, pruning_report
-    from .train import train
+    from .prune import calibration_data, healer, heldout_taus, prune, pruning_report
 
     sets = [s.strip() for s in args.sets.split(",") if s.strip()]
     bad = [s for s in sets if s not in CALIBRATION_SETS]
@@ -368,15 +333,8 @@ def cmd_prune(args: argparse.Namespace) -> None:
     run_dir = Path(args.run_dir or Path(args.out).with_name(Path(args.out).name + ".run"))
     run_dir.mkdir(parents=True, exist_ok=True)
     calib = calibration_data(model, tok, sets, args.prompts_per_set, args.max_new_tokens, run_dir / "calibration.json")
-    heal = None
-    if args.heal_steps:
-        examples = load_dataset(args.data, args.max_shards)
-
-        def heal(d):
-            d.requires_grad_(True)
-            train(d, examples, heal_config(d, args.heal_steps, args.heal_lr), run_dir / f"heal-{len(d.layers)}")
-            d.eval().requires_grad_(False)
-
+    heal = healer(load_dataset(args.data, args.max_shards), args.heal_steps, args.heal_lr, run_dir) \
+        if args.heal_steps else None
     pruned, state = prune(drafter, calib, args.max_new_tokens, run_dir, keep_ratio=args.keep_ratio,
                           min_layers=args.min_layers, heal=heal, heal_steps=args.heal_steps)
     report = pruning_report(state, {
@@ -384,7 +342,9 @@ def cmd_prune(args: argparse.Namespace) -> None:
         "prompts_per_set": args.prompts_per_set, "max_new_tokens": args.max_new_tokens,
         "keep_ratio": args.keep_ratio, "min_layers": args.min_layers, "heal_steps": args.heal_steps})
     if args.heldout:
-        report["heldout"] = _heldout_taus(model, tok, drafter, pruned, args, run_dir / "heldout.json")
+        names = [b.strip() for b in args.heldout.split(",") if b.strip()]
+        report["heldout"] = heldout_taus(model, tok, drafter, pruned, names, args.heldout_limit, args.max_new_tokens,
+                                         run_dir / "heldout.json")
     pruned.cfg.training = dict(pruned.cfg.training, pruning={
         k: report[k] for k in ("command", "drafter", "layers_before", "layers_after", "tau_before", "tau_after")})
     save_drafter(pruned, Path(args.out))
@@ -394,24 +354,6 @@ def cmd_prune(args: argparse.Namespace) -> None:
     print(f"{args.out}: {report['layers_before']} -> {report['layers_after']} layers, mean calibration tau "
           f"{report['tau_before']['mean']} -> {report['tau_after']['mean']} ({report['kept']:.1%} kept); "
           f"{state['stopped']}; wrote {args.report}")
-
-
-def _heldout_taus(model, tok, before, after, args: argparse.Namespace, cache: Path) -> dict:
-    """Estimated tau of the drafter before and after pruning on benchmark prompts (first turns), from the
-    target's greedy continuations: the check that the pruning choice carries over to prompts it never saw."""
-    from .estimate import benchmark_continuations, mean_tau
-
-    names = [b.strip() for b in args.heldout.split(",") if b.strip()]
-    conts = benchmark_continuations(model, tok, names, args.heldout_limit, args.max_new_tokens, cache)
-    out = {}
-    for name, pairs in conts.items():
-        ids, cs = [p for p, _ in pairs], [c for _, c in pairs]
-        out[name] = {"before": round(mean_tau(before, ids, cs, args.max_new_tokens), 4),
-                     "after": round(mean_tau(after, ids, cs, args.max_new_tokens), 4)}
-    if out:
-        out["mean"] = {k: round(sum(v[k] for v in out.values()) / len(out), 4) for k in ("before", "after")}
-        out["kept"] = round(out["mean"]["after"] / out["mean"]["before"], 4)
-    return out
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -507,7 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out-dir", default=None, help="where REPORT.md and the PNGs go (default: the first file's folder)")
     r.set_defaults(func=cmd_report)
 
-    m = sub.add_parser("demo", help=f"plain decoding vs the best method on {len(DEMO_PROMPTS)} embedded prompts")
+    m = sub.add_parser("demo", help="plain decoding vs the best method on three embedded prompts (math, code, chat)")
     m.add_argument("--max-new-tokens", type=int, default=128)
     _add_target_args(m, device=False)
     m.set_defaults(func=cmd_demo)

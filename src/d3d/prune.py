@@ -196,3 +196,33 @@ def _resume(drafter: Drafter, stack: list[int], current: Path | None) -> Drafter
         saved = {k: v.float() if v.is_floating_point() else v for k, v in load_file(current / WEIGHTS_NAME).items()}
         d.load_state_dict(saved, strict=False)
     return d
+
+
+def healer(examples, steps: int, lr: float, run_dir: Path):
+    """The healing step of `prune`: fine-tune the drafter after a removal on `examples` for `steps`,
+    continuing its own objective (heal_config); checkpoints under run_dir/heal-<layers>."""
+    from .train import train
+
+    def heal(d: Drafter) -> None:
+        d.requires_grad_(True)
+        train(d, examples, heal_config(d, steps, lr), run_dir / f"heal-{len(d.layers)}")
+        d.eval().requires_grad_(False)
+    return heal
+
+
+def heldout_taus(model, tok, before: Drafter, after: Drafter, benchmarks: list[str], limit: int,
+                 max_new_tokens: int, cache: Path) -> dict:
+    """Estimated tau of the drafter before and after pruning on benchmark prompts (first turns), from the
+    target's greedy continuations: the check that the pruning choice carries over to prompts it never saw."""
+    from .estimate import benchmark_continuations
+
+    conts = benchmark_continuations(model, tok, benchmarks, limit, max_new_tokens, cache)
+    out = {}
+    for name, pairs in conts.items():
+        ids, cs = [p for p, _ in pairs], [c for _, c in pairs]
+        out[name] = {"before": round(mean_tau(before, ids, cs, max_new_tokens), 4),
+                     "after": round(mean_tau(after, ids, cs, max_new_tokens), 4)}
+    if out:
+        out["mean"] = {k: round(sum(v[k] for v in out.values()) / len(out), 4) for k in ("before", "after")}
+        out["kept"] = round(out["mean"]["after"] / out["mean"]["before"], 4)
+    return out
