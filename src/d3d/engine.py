@@ -172,10 +172,10 @@ def commit_first(res: GenerationResult, stopper: StopChecker, first: int, row: t
 
 
 def prefill(model, res: GenerationResult, stopper: StopChecker, prompt_ids: list[int], params: SamplingParams,
-            gen: torch.Generator, on_round=None, logprobs: LogprobRecorder | None = None, hidden_layers=None):
+            gen: torch.Generator, device, on_round=None, logprobs: LogprobRecorder | None = None,
+            hidden_layers=None):
     """The prompt's forward and the first token, committed (commit_first) and timed into res.prefill_s.
     Returns (working tokens, finish reason or None, decode start time, hidden-state taps or None)."""
-    device = next(model.parameters()).device
     t0 = time.perf_counter()
     logits = model(torch.tensor([prompt_ids], device=device), last_only=True, hidden_layers=hidden_layers)
     taps = None
@@ -219,7 +219,7 @@ def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams | N
     logprobs: a LogprobRecorder that gets every emitted token's target logprobs (None: nothing recorded)."""
     params = params or SamplingParams()
     validate_request(model, prompt_ids, max_new_tokens, block_size)
-    device = model.output.weight.device if hasattr(model, "output") else "cpu"
+    device = next(model.parameters()).device
     gen = make_generator(params, device)
     stopper = StopChecker(tokenizer, {tokenizer.eos_token_id}, max_new_tokens, stop)
     res = GenerationResult(prompt_ids=list(prompt_ids))
@@ -229,7 +229,8 @@ def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams | N
         proposer.reset(list(prompt_ids))
 
     taps_of = getattr(proposer, "hidden_layers", None) or None
-    tokens, reason, t1, taps = prefill(model, res, stopper, prompt_ids, params, gen, on_round, logprobs, taps_of)
+    tokens, reason, t1, taps = prefill(model, res, stopper, prompt_ids, params, gen, device, on_round, logprobs,
+                                       taps_of)
     if taps_of:
         proposer.observe(taps)
     while reason is None:

@@ -99,7 +99,6 @@ class LlamaCppRunner:
         self.llm = Llama(model_path=str(gguf_path), n_ctx=context, n_threads=threads, n_threads_batch=threads,
                          verbose=False)
         self.tokenizer = tokenizer
-        self.path = gguf_path
 
     def __call__(self, prompt_ids: list[int], params: SamplingParams | None = None, max_new_tokens: int = 128,
                  stop: list[str] | None = None, on_round=None, **_) -> GenerationResult:

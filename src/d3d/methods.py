@@ -47,11 +47,3 @@ def parse_methods(spec: str) -> list[str]:
         raise D3DError("no method given")
     return methods
 
-
-def drafter_options() -> dict[str, list[str]]:
-    """CLI option name (e.g. "dflash-drafter") -> the methods whose drafter checkpoint it names."""
-    out: dict[str, list[str]] = {}
-    for m in REGISTRY.values():
-        if m.drafter_kind is not None:
-            out.setdefault(m.drafter_option, []).append(m.name)
-    return out

@@ -1,10 +1,11 @@
 """The method registry: every decoding method is one `Method`, declared in its proposer's own module.
 
 A method says how to build a runner (prompt_ids, params=..., max_new_tokens=..., stop=...) ->
-GenerationResult for one loaded target, and which learned drafter it needs, if any. The CLI's
---method choices and drafter options, the bench's settings and the server all read the registry,
-so adding a method is one `register(Method(...))` next to its proposer (d3d.methods imports the
-built-in ones).
+GenerationResult for one loaded target, and which learned drafter it needs, if any. make_runner,
+the CLI's --method and drafter-option lookup, the bench and the server (through d3d.load) all go
+through the registry, so adding a method is one `register(Method(...))` next to its proposer
+(d3d.methods imports the built-in ones). The CLI's drafter options themselves (--drafter,
+--ar-drafter, --dflash-drafter) are written out in its parser, which must not import the methods.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ class Setup:
 
         d = load_drafter(self.drafter_path, self.model, self.tokenizer, device=device or self.device)
         if d.cfg.kind != kind:
-            hint = {"d3d": "d3d", "dflash": "dflash", "ar": "ar-draft"}.get(d.cfg.kind, d.cfg.kind)
+            hint = next((m.name for m in REGISTRY.values() if m.drafter_kind == d.cfg.kind), "?")
             raise D3DError(f"method {method} needs a drafter of kind {kind!r}; {self.drafter_path} is "
                            f"{d.cfg.kind!r} (a drafter of kind {d.cfg.kind!r} is for --method {hint})")
         return d

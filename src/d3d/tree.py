@@ -397,7 +397,7 @@ def generate_tree(model, tokenizer, prompt_ids: list[int], params: SamplingParam
     proposer.reset(list(prompt_ids))
 
     on_round = _reporting_branch(on_round, res)
-    tokens, reason, t1, _ = prefill(model, res, stopper, prompt_ids, params, gen, on_round, logprobs)
+    tokens, reason, t1, _ = prefill(model, res, stopper, prompt_ids, params, gen, device, on_round, logprobs)
     while reason is None:
         k = min(max_depth, max_new_tokens - len(res.token_ids) - 1)
         tree = proposer.build(tokens, k)
