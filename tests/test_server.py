@@ -326,8 +326,6 @@ def test_sampling_with_seed_is_reproducible(env):
 
 def test_four_concurrent_clients(env):
     server, refs, _ = env
-    # an earlier test's cancelled generation may still hold the worker for a round on a busy machine
-    _wait(lambda: (lambda h: h["running"] == 0 and h["waiting"] == 0)(server.request("GET", "/health")[1]), timeout=60)
     jobs = [(PROMPT_A, False), (PROMPT_B, True), (PROMPT_A, True), (PROMPT_B, False)]
     results: dict[int, str] = {}
 

@@ -88,8 +88,11 @@ class Worker:
         return self.thread.is_alive()
 
     def submit(self, job: Job) -> None:
+        """Queue `job`, or QueueFull when max_queue jobs already wait behind the running one. An idle
+        worker's first queued job is about to run, not waiting behind one: without that, a burst of
+        max_queue + 1 requests at an idle server got a 503 whenever the thread had not dequeued yet."""
         with self.lock:
-            if self.waiting >= self.max_queue:
+            if self.waiting >= self.max_queue + (self.running == 0):
                 raise QueueFull
             self.waiting += 1
         self.queue.put(job)
