@@ -11,7 +11,7 @@ from d3d.cli import main
 from d3d.engine import generate
 from d3d.errors import D3DError
 from d3d.methods import make_runner, parse_methods
-from d3d.registry import REGISTRY, Method, register
+from d3d.registry import REGISTRY, Method, Runner, register
 
 
 class RepeatLast:
@@ -26,8 +26,11 @@ class RepeatLast:
 
 @pytest.fixture
 def toy():
-    method = register(Method("toy-repeat", lambda s: partial(generate, s.model, s.tokenizer, proposer=RepeatLast(),
-                                                              block_size=4), help="test only"))
+    def build(s):
+        return Runner(partial(generate, s.model, s.tokenizer, proposer=RepeatLast(), block_size=4), block_size=4,
+                      toy_repeats=4)
+
+    method = register(Method("toy-repeat", build, help="test only"))
     yield method
     del REGISTRY[method.name]
 
@@ -47,13 +50,22 @@ def test_a_registered_method_runs_everywhere(toy, smol, tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(["bench", "--prompts", str(prompts), "--methods", "toy-repeat", "--max-new-tokens", "8",
                  "--out", str(out), "--threads", "1"]) == 0
-    rows = {r["method"]: r for r in json.loads(out.read_text())["results"]}
+    report = json.loads(out.read_text())
+    rows = {r["method"]: r for r in report["results"]}
     assert rows["toy-repeat"]["lossless"] is True
+    assert report["settings"]["toy_repeats"] == 4  # a runner's declared settings reach the bench report
 
     from d3d import load
 
     gen = load(method="toy-repeat")
     assert gen.method == "toy-repeat" and gen.generate("Hi!", max_new_tokens=4)
+    assert gen.block_size == 4  # request checks reserve the runner's declared block size
+
+
+def test_a_plain_function_runner_runs_with_the_setup_block_size(smol):
+    model, tok, model_dir = smol
+    runner = make_runner("ngram", model, tok, model_dir, block_size=8)
+    assert runner.settings == {"block_size": 8}
 
 
 def test_unknown_methods_name_the_registered_ones():

@@ -149,6 +149,7 @@ def test_the_drafter_runs_while_it_pays_and_is_probed_when_it_does_not():
 def test_greedy_equals_plain_decoding_on_real_prompts(smol, prompt_ids, short_answer_ids):
     model, tok, model_dir = smol
     tree = make_runner("d3d-tree", model, tok, model_dir, tree_budget=24)
+    assert tree.settings == {"block_size": 16, "tree_budget": 24, "tree_width_cost_s": None}
     branches = Counter()
     for ids in prompt_ids[:1] + prompt_ids[-1:]:
         ar = generate(model, tok, ids, GREEDY, 32)

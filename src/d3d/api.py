@@ -125,15 +125,6 @@ class Generator:
         return f"Generator(model={self.name!r}, method={self.method!r})"
 
 
-def _block_size(runner, default: int) -> int:
-    kw = getattr(runner, "keywords", {}) or {}
-    if "drafter" in kw:
-        return kw["drafter"].block_size
-    if "proposer" in kw and hasattr(kw["proposer"], "drafter"):
-        return kw["proposer"].drafter.block_size
-    return kw.get("block_size", default)
-
-
 def load(target: str | None = None, method: str = BEST_METHOD, drafter: str | None = None,
          threads: int | None = None, device: str = "cpu", block_size: int = 16,
          quantize: str | None = None) -> Generator:
@@ -154,4 +145,4 @@ def load(target: str | None = None, method: str = BEST_METHOD, drafter: str | No
         raise D3DError(f"drafter path does not exist: {drafter}")
     model, tok, model_dir = load_target(target, device, quantize=quantize)
     runner = make_runner(methods[0], model, tok, model_dir, drafter=drafter, block_size=block_size)
-    return Generator(model, tok, model_dir, methods[0], runner, _block_size(runner, block_size))
+    return Generator(model, tok, model_dir, methods[0], runner, runner.settings["block_size"])

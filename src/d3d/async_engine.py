@@ -29,7 +29,7 @@ from .engine import (GenerationResult, LogprobRecorder, StopChecker, commit_firs
                      validate_request)
 from .errors import D3DError
 from .packed import keep_prefix, likely_candidates, packed_draft, prefill
-from .registry import Method, Setup, register
+from .registry import Method, Runner, Setup, register
 from .verify import SamplingParams, make_generator, next_token, verify
 
 VERIFY_TID, DRAFT_TID = 0, 1
@@ -294,7 +294,7 @@ def _async_runner(s: Setup):
     d = s.drafter("d3d", "d3d-async", device=s.draft_device or s.device)
     run = partial(generate_async, s.model, s.tokenizer, drafter=d, draft_device=s.draft_device)
     on_cpu = str(next(d.parameters()).device) == "cpu" == s.device
-    return _split_cpu_threads(run) if on_cpu else run
+    return Runner(_split_cpu_threads(run) if on_cpu else run, block_size=d.block_size)
 
 
 D3D_ASYNC = register(Method("d3d-async", _async_runner, drafter_kind="d3d",

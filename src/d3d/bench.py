@@ -29,8 +29,8 @@ from tqdm import tqdm
 from .data import atomic_write_bytes
 from .engine import GenerationResult, validate_request
 from .errors import D3DError
-from .methods import Runner
 from .prompts import BenchItem, MultiTurn
+from .registry import Runner
 from .target import encode_prompt
 from .verify import SamplingParams
 

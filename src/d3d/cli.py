@@ -200,10 +200,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
                 "dflash_drafter": args.dflash_drafter, "ar_drafter": args.ar_drafter,
                 "drafter_weights": {m: weights_fingerprint(p) for m, p in drafters.items() if p is not None},
                 "benchmarks": list(prompts), "limit": args.limit, "quick": args.quick, "quantize": args.quantize}
-    if "d3d-tree" in runners:  # the budget it ran with, and the cost curve it was fitted to (if not fixed)
-        tree = runners["d3d-tree"].keywords["proposer"]
-        settings["tree_budget"] = tree.budget
-        settings["tree_width_cost_s"] = None if tree.cost is None else tree.cost.curve
+    for runner in runners.values():  # what a method resolved itself, e.g. d3d-tree's budget and cost curve
+        settings.update({k: v for k, v in runner.settings.items() if k != "block_size"})
     curve = None
     if args.cost_curve:
         from .tree import width_cost_curve

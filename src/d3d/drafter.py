@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from .engine import generate
 from .quantize import apply_quantize
-from .registry import Method, Setup, register
+from .registry import Method, Runner, Setup, register
 from .errors import D3DError
 from .target import ModelArgs, Transformer, pack_linears, rope_frequencies
 from .verify import SamplingParams
@@ -367,7 +367,8 @@ def sample_draft(drafter: Drafter, logits: torch.Tensor, params: SamplingParams,
 def _d3d_runner(s: Setup):
     d = s.drafter("d3d", "d3d")
     proposer = D3DProposer(d, s.model.args.vocab_size, max_len=s.model.args.max_seq_len)
-    return partial(generate, s.model, s.tokenizer, proposer=proposer, block_size=d.block_size)
+    return Runner(partial(generate, s.model, s.tokenizer, proposer=proposer, block_size=d.block_size),
+                  block_size=d.block_size)
 
 
 D3D = register(Method("d3d", _d3d_runner, help="the D3D diffusion drafter, draft then verify", drafter_kind="d3d"))

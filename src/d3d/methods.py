@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Callable
-
-from .engine import GenerationResult
 from .errors import D3DError
-from .registry import DEFAULT_DRAFTERS, REGISTRY, Setup, default_drafter, get  # noqa: F401 (re-exported)
+from .registry import DEFAULT_DRAFTERS, REGISTRY, Runner, Setup, default_drafter, get  # noqa: F401 (re-exported)
 
 for _module in ("engine", "ngram", "drafter", "async_engine", "tree", "ardraft", "dflash", "hf", "llamacpp"):
     importlib.import_module(f".{_module}", __package__)  # each registers its method(s) on import
@@ -17,17 +14,16 @@ BEST_METHOD = "ngram"  # what `d3d demo` and `d3d serve` use by default
 # baselines' drafters ship beside the D3D one, under the target's name + this suffix
 BASELINE_SUFFIX = {m.name: m.drafter_suffix for m in REGISTRY.values() if m.drafter_suffix}
 
-Runner = Callable[..., GenerationResult]
-
 
 def make_runner(method: str, model, tokenizer, model_dir: Path, drafter: str | Path | None = None,
                 block_size: int = 16, draft_device: str | None = None, **options) -> Runner:
-    """A function (prompt_ids, params=..., max_new_tokens=..., stop=...) -> GenerationResult.
-    options: method options, e.g. tree_budget for d3d-tree (None = fitted to this device)."""
+    """A Runner: (prompt_ids, params=..., max_new_tokens=..., stop=...) -> GenerationResult, with the
+    settings it runs with in .settings. options: method options, e.g. tree_budget for d3d-tree (None =
+    fitted to this device)."""
     m = get(method)
     setup = Setup(model, tokenizer, Path(model_dir), drafter_path(method, model_dir, drafter), block_size,
                   draft_device, {k: v for k, v in options.items() if v is not None})
-    return m.build(setup)
+    return m.runner(setup)
 
 
 def drafter_path(method: str, model_dir: Path, drafter: str | Path | None = None) -> Path | None:

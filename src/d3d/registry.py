@@ -1,7 +1,9 @@
 """The method registry: every decoding method is one `Method`, declared in its proposer's own module.
 
 A method says how to build a runner (prompt_ids, params=..., max_new_tokens=..., stop=...) ->
-GenerationResult for one loaded target, and which learned drafter it needs, if any. make_runner,
+GenerationResult for one loaded target, and which learned drafter it needs, if any; the built
+`Runner` carries the settings it runs with (block size, method options as resolved), so nothing
+reads them back out of the function. make_runner,
 the CLI's --method and drafter-option lookup, the bench and the server (through d3d.load) all go
 through the registry, so adding a method is one `register(Method(...))` next to its proposer
 (d3d.methods imports the built-in ones). The CLI's drafter options themselves (--drafter,
@@ -46,14 +48,34 @@ class Setup:
         return d
 
 
+class Runner:
+    """A method built for one target: called like the engines' generate (prompt_ids, params=...,
+    max_new_tokens=..., stop=..., on_round=...) -> GenerationResult. `settings` is what it runs with:
+    always block_size (the tokens a round may verify, which request checks reserve), and any option the
+    build resolved itself, e.g. d3d-tree's fitted tree_budget (recorded by the bench)."""
+
+    def __init__(self, fn: Callable, **settings):
+        self.fn, self.settings = fn, settings
+        self.__wrapped__ = fn  # inspect.signature(runner) shows fn's parameters (the server asks for logprobs=)
+
+    def __call__(self, prompt_ids, **kwargs):
+        return self.fn(prompt_ids, **kwargs)
+
+
 @dataclass(frozen=True)
 class Method:
+    """A decoding method. `build(setup)` returns a Runner declaring its settings, or a plain function
+    when the only setting is the setup's block size (see `runner`)."""
     name: str
     build: Callable[[Setup], Callable]
     help: str = ""
     drafter_kind: str | None = None  # the learned drafter it loads ("d3d", "dflash", "ar"); None: none
     drafter_suffix: str = ""         # its shipped checkpoint: assets/drafters/<target name><suffix>
     drafter_option: str = "drafter"  # the CLI option that names another checkpoint for it
+
+    def runner(self, setup: Setup) -> Runner:
+        built = self.build(setup)
+        return built if isinstance(built, Runner) else Runner(built, block_size=setup.block_size)
 
 
 REGISTRY: dict[str, Method] = {}

@@ -36,7 +36,7 @@ from .drafter import D3DProposer, sample_draft
 from .engine import (GenerationResult, LogprobRecorder, StopChecker, commit_round, finish, prefill, sync_device,
                      validate_request)
 from .errors import D3DError
-from .registry import Method, Setup, register
+from .registry import Method, Runner, Setup, register
 from .verify import SamplingParams, make_generator, probs_from_logits, sample
 
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)
@@ -525,7 +525,9 @@ def _tree_runner(s: Setup):
     proposer = D3DProposer(d, s.model.args.vocab_size, max_len=s.model.args.max_seq_len)
     budget = s.options.get("tree_budget")
     tree = TreeProposer(proposer, budget) if budget else auto_tree(s.model, proposer)
-    return partial(generate_tree, s.model, s.tokenizer, proposer=tree, max_depth=d.block_size - 1)
+    return Runner(partial(generate_tree, s.model, s.tokenizer, proposer=tree, max_depth=d.block_size - 1),
+                  block_size=d.block_size, tree_budget=tree.budget,
+                  tree_width_cost_s=None if tree.cost is None else tree.cost.curve)
 
 
 D3D_TREE = register(Method("d3d-tree", _tree_runner, drafter_kind="d3d",
