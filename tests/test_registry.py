@@ -1,5 +1,6 @@
 """A new method is one registered object: a toy proposer added here, and nowhere else, works in
-`d3d generate --method`, `d3d bench --methods` and the Python API / server front door (d3d.load)."""
+`d3d generate --method`, `d3d bench --methods` and the Python API / server front door (d3d.load), and
+the command line lists it (with its own drafter option, if it has one)."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,7 @@ from d3d.cli import main
 from d3d.engine import generate
 from d3d.errors import D3DError
 from d3d.methods import make_runner, parse_methods
-from d3d.registry import REGISTRY, Method, Runner, register
+from d3d.registry import BUILTIN, REGISTRY, Method, Runner, register
 
 
 class RepeatLast:
@@ -71,3 +72,31 @@ def test_a_plain_function_runner_runs_with_the_setup_block_size(smol):
 def test_unknown_methods_name_the_registered_ones():
     with pytest.raises(D3DError, match="unknown method .nope.; choose from ar, ar-draft, d3d, d3d-async"):
         parse_methods("ar,nope")
+
+
+def _help(capsys, *command: str) -> str:
+    with pytest.raises(SystemExit):
+        main([*command, "--help"])
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_the_command_line_lists_registered_methods_and_their_drafter_options(toy, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")  # argparse would wrap lines, breaking names at their hyphens
+    drafted = register(Method("toy-drafted", lambda s: None, drafter_kind="d3d", drafter_option="toy-drafter"))
+    try:
+        for command in ("generate", "bench", "serve"):
+            text = _help(capsys, command)
+            assert "toy-repeat" in text and "d3d-tree" in text, command
+            assert "--toy-drafter TOY_DRAFTER drafter checkpoint for toy-drafted" in text, command
+            assert "--drafter DRAFTER drafter checkpoint for d3d, d3d-async, d3d-tree" in text, command
+    finally:
+        del REGISTRY[drafted.name]
+
+
+def test_the_builtin_table_lists_exactly_the_builtin_methods():
+    import d3d.methods  # noqa: F401 (registers the built-ins)
+
+    assert {name: m.option for name, m in REGISTRY.items()} == BUILTIN
+    with pytest.raises(D3DError, match="registry.BUILTIN"):
+        register(Method("ngram", lambda s: None, drafter_kind="d3d"))
+    assert REGISTRY["ngram"].drafter_kind is None

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from .errors import D3DError
+from .registry import drafter_options, get, method_names
 
 class _Parser(argparse.ArgumentParser):
     """argparse with the same one-line `d3d: error: ...` format as every other error."""
@@ -91,11 +92,13 @@ def _int_list(spec: str, flag: str) -> list[int]:
     return out
 
 
-def _drafter_for(method: str, args: argparse.Namespace) -> str | None:
-    """The --drafter / --dflash-drafter / --ar-drafter path that `method` uses (checked to exist)."""
-    from .registry import get
+def _dest(option: str) -> str:
+    return option.replace("-", "_")
 
-    path = getattr(args, get(method).drafter_option.replace("-", "_"), None)
+
+def _drafter_for(method: str, args: argparse.Namespace) -> str | None:
+    """The --drafter (or --dflash-drafter, ...) path that `method` uses (checked to exist)."""
+    path = getattr(args, _dest(get(method).drafter_option), None)
     _check_drafter(path)
     return path
 
@@ -196,8 +199,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
                               tree_budget=args.tree_budget) for m in methods}
     settings = {"methods": methods, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                 "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "block_size": args.block_size,
-                "raw": args.raw, "target": args.target, "drafter": args.drafter,
-                "dflash_drafter": args.dflash_drafter, "ar_drafter": args.ar_drafter,
+                "raw": args.raw, "target": args.target,
+                **{_dest(o): getattr(args, _dest(o)) for o in drafter_options()},
                 "drafter_weights": {m: weights_fingerprint(p) for m, p in drafters.items() if p is not None},
                 "benchmarks": list(prompts), "limit": args.limit, "quick": args.quick, "quantize": args.quantize}
     for runner in runners.values():  # what a method resolved itself, e.g. d3d-tree's budget and cost curve
@@ -383,9 +386,8 @@ def _add_target_args(p: argparse.ArgumentParser, device: bool = True) -> None:
                    help="HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: min(2, available))")
     if device:
-        p.add_argument("--drafter", default=None, help="drafter checkpoint for d3d and d3d-async")
-        p.add_argument("--dflash-drafter", default=None, help="drafter checkpoint for dflash")
-        p.add_argument("--ar-drafter", default=None, help="drafter checkpoint for ar-draft")
+        for option, methods in drafter_options().items():
+            p.add_argument(f"--{option}", default=None, help=f"drafter checkpoint for {', '.join(methods)}")
         p.add_argument("--block-size", type=int, default=16, help="tokens verified per target forward")
         p.add_argument("--device", default="cpu")
         p.add_argument("--quantize", choices=["int8"], default=None,
@@ -413,7 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate a continuation of one prompt")
     g.add_argument("prompt")
-    g.add_argument("--method", default="ar", help="ar, ngram, d3d, d3d-async, d3d-tree, ... (see d3d.registry)")
+    g.add_argument("--method", default="ar", help=f"one of {', '.join(method_names())}")
     _add_sampling_args(g, seed=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
@@ -428,7 +430,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompts", help='JSONL file, one {"prompt": ...} per line')
     src.add_argument("--benchmarks", help="comma-separated among gsm8k,math500,humaneval,mt-bench,sharegpt "
                                           "(default: all)")
-    b.add_argument("--methods", default="ar,ngram", help="comma-separated; ar is always added as reference")
+    b.add_argument("--methods", default="ar,ngram",
+                   help=f"comma-separated among {', '.join(method_names())}; ar is always added as reference")
     _add_tree_args(b)
     b.add_argument("--limit", type=int, default=None, help="first N prompts of each benchmark")
     b.add_argument("--save-outputs", action="store_true", help="also store token ids and text per prompt")
@@ -524,7 +527,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with streaming, a live web page and /metrics")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000, help="0 = any free port")
-    s.add_argument("--method", default=None, help="decoding method (default: d3d.methods.BEST_METHOD)")
+    s.add_argument("--method", default=None,
+                   help=f"one of {', '.join(method_names())} (default: d3d.methods.BEST_METHOD)")
     s.add_argument("--max-queue", type=int, default=16,
                    help="requests that may wait behind the running one (>= 1; beyond: 503)")
     s.add_argument("--api-key", default=None,

@@ -6,8 +6,8 @@ GenerationResult for one loaded target, and which learned drafter it needs, if a
 reads them back out of the function. make_runner,
 the CLI's --method and drafter-option lookup, the bench and the server (through d3d.load) all go
 through the registry, so adding a method is one `register(Method(...))` next to its proposer
-(d3d.methods imports the built-in ones). The CLI's drafter options themselves (--drafter,
---ar-drafter, --dflash-drafter) are written out in its parser, which must not import the methods.
+(d3d.methods imports the built-in ones). The CLI's parser must not import the methods (nor torch):
+it reads BUILTIN, which register() holds the built-in declarations to, plus anything registered so far.
 """
 from __future__ import annotations
 
@@ -18,6 +18,15 @@ from typing import Callable
 from .errors import D3DError
 
 DEFAULT_DRAFTERS = Path(__file__).parent / "assets" / "drafters"
+
+# The built-in methods as the command line sees them before any is imported: name -> the option that
+# names its drafter checkpoint (None: no learned drafter). register() refuses a built-in declared
+# otherwise, so the parser's lists cannot drift from the methods.
+BUILTIN: dict[str, str | None] = {
+    "ar": None, "ngram": None, "d3d": "drafter", "d3d-async": "drafter", "d3d-tree": "drafter",
+    "ar-draft": "ar-drafter", "dflash": "dflash-drafter", "hf": None, "hf-lookup": None,
+    "llama-cpp": None, "llama-cpp-q8": None,
+}
 
 
 @dataclass
@@ -73,6 +82,11 @@ class Method:
     drafter_suffix: str = ""         # its shipped checkpoint: assets/drafters/<target name><suffix>
     drafter_option: str = "drafter"  # the CLI option that names another checkpoint for it
 
+    @property
+    def option(self) -> str | None:
+        """The CLI option naming its drafter checkpoint; None without a learned drafter."""
+        return self.drafter_option if self.drafter_kind else None
+
     def runner(self, setup: Setup) -> Runner:
         built = self.build(setup)
         return built if isinstance(built, Runner) else Runner(built, block_size=setup.block_size)
@@ -83,6 +97,9 @@ REGISTRY: dict[str, Method] = {}
 
 def register(method: Method) -> Method:
     """Add (or replace) a method; returns it, so a module can write METHOD = register(Method(...))."""
+    if method.name in BUILTIN and BUILTIN[method.name] != method.option:
+        raise D3DError(f"method {method.name} takes its drafter from --{method.option}, but registry.BUILTIN "
+                       f"says {BUILTIN[method.name]}")
     REGISTRY[method.name] = method
     return method
 
@@ -91,6 +108,21 @@ def get(name: str) -> Method:
     if name not in REGISTRY:
         raise D3DError(f"unknown method {name!r}; choose from {', '.join(sorted(REGISTRY))}")
     return REGISTRY[name]
+
+
+def method_names() -> list[str]:
+    """Every method name, without importing a method module: the built-ins, then any other registered."""
+    return [*BUILTIN, *(name for name in REGISTRY if name not in BUILTIN)]
+
+
+def drafter_options() -> dict[str, list[str]]:
+    """CLI option -> the methods whose drafter checkpoint it names (built-ins and any other registered)."""
+    rows = [*BUILTIN.items(), *((m.name, m.option) for m in REGISTRY.values() if m.name not in BUILTIN)]
+    options: dict[str, list[str]] = {}
+    for name, option in rows:
+        if option:
+            options.setdefault(option, []).append(name)
+    return options
 
 
 def default_drafter(model_dir: Path, suffix: str = "") -> Path:
