@@ -264,7 +264,8 @@ def method_runner(method: str, target, drafter):
     from d3d.async_engine import generate_async
     from d3d.drafter import D3DProposer
     from d3d.ngram import NgramProposer
-    from d3d.tree import TreeProposer, WidthCost, generate_tree
+    from d3d.tree import TreeProposer, generate_tree
+    from d3d.treecost import WidthCost
 
     tok = StubTokenizer()
     if method in ASYNC_OPTIONS:

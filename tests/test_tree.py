@@ -1,4 +1,4 @@
-"""Token-tree verification (d3d.tree): the tree forward equals each branch run alone, cache compaction
+"""Token-tree verification (d3d.tree, d3d.tokentree, d3d.treecost): the tree forward equals each branch run alone, cache compaction
 keeps exactly the accepted path, greedy output is plain decoding's on real prompts, and the
 multi-candidate sampling rule keeps the target's law (a broken rule is caught)."""
 from __future__ import annotations
@@ -8,12 +8,14 @@ from collections import Counter
 import pytest
 import torch
 
+import d3d.tokentree
 import d3d.tree
 from d3d.drafter import D3DProposer
 from d3d.engine import LogprobRecorder, generate
 from d3d.methods import make_runner
-from d3d.tree import (Candidate, TokenTree, TreeDraft, TreeProposer, WidthCost, choose_budget, compact_cache,
-                      generate_tree, ngram_continuations, tree_logits, tree_mask, tree_positions)
+from d3d.tokentree import Candidate, TokenTree, TreeDraft, compact_cache, tree_logits, tree_mask, tree_positions
+from d3d.tree import TreeProposer, generate_tree, ngram_continuations
+from d3d.treecost import WidthCost, choose_budget
 from d3d.verify import SamplingParams, probs_from_logits, sample
 from sampling_law import EOS, V, StubTokenizer, chi2_pvalue, draw, exact_law, tiny_drafter, tiny_model
 
@@ -206,7 +208,7 @@ def node_outcomes(choose, params: SamplingParams, n: int) -> list[tuple[int]]:
 def test_one_node_emits_the_target_law(params):
     law = probs_from_logits(ROW, params).double().tolist()
     dist = {(t,): p for t, p in enumerate(law) if p > 0}
-    assert chi2_pvalue(node_outcomes(d3d.tree._choose, params, 12000), dist) > 1e-3
+    assert chi2_pvalue(node_outcomes(d3d.tokentree._choose, params, 12000), dist) > 1e-3
     assert chi2_pvalue(node_outcomes(no_residual_update, params, 12000), dist) < 1e-6
 
 
@@ -232,6 +234,6 @@ def test_generation_keeps_the_law_and_a_broken_rule_is_caught(tiny, tree_propose
     samples, _ = draw(run, params, 1200, 4)
     assert chi2_pvalue(samples, dist) > 1e-3
     assert branches["alt"] > 50 and branches["ngram"] > 50 and branches["d3d"] > 50  # every kind of sibling
-    monkeypatch.setattr(d3d.tree, "_choose", no_residual_update)
+    monkeypatch.setattr(d3d.tokentree, "_choose", no_residual_update)
     samples, _ = draw(tree_run(tiny, tree_proposer), params, 1200, 4)
     assert chi2_pvalue(samples, dist) < 1e-6

@@ -207,7 +207,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         settings.update({k: v for k, v in runner.settings.items() if k != "block_size"})
     curve = None
     if args.cost_curve:
-        from .tree import width_cost_curve
+        from .treecost import width_cost_curve
 
         curve = {str(w): round(t, 5) for w, t in width_cost_curve(model).items()}
         print("target forward cost vs width (tokens fed after 256 cached: seconds, x one token): " + ", ".join(

@@ -1,243 +1,36 @@
-"""Token-tree verification: several candidates (the D3D drafter's block, its alternatives, n-gram matches)
-checked by one target forward.
+"""d3d-tree: several candidates (the D3D drafter's block, its alternatives, n-gram matches) verified
+as one token tree per target forward (the tree itself: d3d.tokentree; its width: d3d.treecost).
 
-A round builds a trie rooted at the pending token (the last verified token, not yet in the target's
-cache). Every proposer adds paths to it; shared prefixes merge. Each node gets a score, an estimate of
-the probability that verification reaches it, and the best nodes (root included; at most `budget`, and
-with a cost model only as many as pay for the wider forward, see WidthCost) are fed to the target in one
-forward: node i sits at position cache_len + depth(i) and attends to the cached prefix and to its own
-ancestors only, so its logits equal those of its branch run alone. With a cost model the drafter is
-also skipped in rounds where it has recently not been worth its own cost (TreeProposer.drafting_pays). Verification walks down
-from the root, and the KV rows of the accepted path are then copied into consecutive cache slots
-(O(accepted) copies, nothing recomputed).
+Each round the proposers add paths to a trie rooted at the pending token; the best nodes are fed to the
+target at once and verification walks the accepted path, losslessly (d3d.tokentree states the rule).
+With a cost model the drafter is also skipped in rounds where it has recently not been worth its own
+cost (TreeProposer.drafting_pays).
 
-Losslessness. Greedy: at each node the target's argmax is taken and the walk descends into the child
-holding it, if any, so the output is plain decoding's. Sampling: multi-candidate recursive rejection
-sampling over the node's candidates (SpecInfer; multi-draft speculative sampling): candidate x_i with
-proposal law q_i (one-hot for deterministic candidates) is accepted with probability
-min(1, r(x_i) / q_i(x_i)), where r starts as the target's law p and becomes norm(max(0, r - q_i)) after
-each rejection; when all are rejected the token is drawn from r. The emitted token then has law p
-exactly, provided each sampled candidate is drawn from its q independently of the target's draws and
-of everything that decided whether and where it is placed. That holds here: the drafter's slot-j token is
-sampled once from q_j (which depends on the verified text only), sits only at depth j, comes first among
-its node's candidates, and node scores use the slot's largest probability, never the sampled token's;
-whether the drafter runs depends on verified text only.
+Why sampling stays exact: the drafter's slot-j token is sampled once from q_j (which depends on the
+verified text only), sits only at depth j, comes first among its node's candidates, and node scores use
+the slot's largest probability, never the sampled token's; whether the drafter runs depends on verified
+text only.
 """
 from __future__ import annotations
 
 import inspect
-import time
 from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 
 from .drafter import D3DProposer, sample_draft
-from .engine import (GenerationResult, LogprobRecorder, StopChecker, commit_round, finish, prefill, sync_device,
-                     validate_request)
+from .engine import GenerationResult, LogprobRecorder, StopChecker, commit_round, finish, prefill, validate_request
 from .errors import D3DError
 from .registry import Method, Runner, Setup, register
-from .verify import SamplingParams, make_generator, probs_from_logits, sample
+from .tokentree import TokenTree, TreeDraft, compact_cache, tree_logits, verify_tree
+from .treecost import WidthCost, choose_budget, drafter_cost, width_cost_curve
+from .verify import SamplingParams, make_generator
 
-WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 NGRAM_CONFIDENCE = {1: 0.35, 2: 0.55, 3: 0.7}  # guessed per-token acceptance of an n-gram match of length n
 ALT_TAIL_DISCOUNT = 0.5  # drafter tokens after an alternative were drafted for the other branch
 GAIN_SMOOTHING = 0.2     # weight of the latest round in the drafter's moving-average gain
 PROBE_ROUNDS = 8         # a drafter that does not pay still runs once every this many rounds
-
-
-# --------------------------------------------------------------------------------------------
-# The tree
-
-
-@dataclass
-class Candidate:
-    """A proposal for the token after a node: `law` is the distribution it was sampled from (None =
-    deterministic, i.e. one-hot); `child` is the node it leads to."""
-
-    token: int
-    law: torch.Tensor | None
-    child: int
-
-
-@dataclass
-class TokenTree:
-    """A flattened token tree, parents before children; node 0 is the root (the pending token)."""
-
-    tokens: list[int]
-    parents: list[int]
-    depths: list[int]
-    sources: list[set[str]]
-    cands: list[list[Candidate]]
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def path_to(self, node: int) -> list[int]:
-        """Nodes from the root's child down to `node` (empty for the root)."""
-        path = []
-        while node > 0:
-            path.append(node)
-            node = self.parents[node]
-        return path[::-1]
-
-
-@dataclass
-class _Node:
-    token: int
-    parent: int
-    depth: int
-    score: float
-    sources: set[str]
-    children: dict[int, int] = field(default_factory=dict)
-    cands: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
-
-
-class TreeDraft:
-    """The trie the proposers fill; `select` keeps the best nodes under a budget."""
-
-    def __init__(self, root: int):
-        self.nodes = [_Node(root, -1, 0, 1.0, {"root"})]
-
-    def add(self, path: list[int], factors: list[float], source: str, start: int = 0,
-            laws: list[torch.Tensor | None] | None = None) -> list[int]:
-        """Add `path` below node `start`; factors[i] estimates the chance that token i is accepted once
-        its parent is reached; laws[i] is the law token i was sampled from (None = deterministic).
-        A sampled candidate goes first among its node's candidates. Returns the nodes of the path."""
-        node, out, reach = start, [], self.nodes[start].score
-        for i, tok in enumerate(path):
-            law = laws[i] if laws is not None else None
-            parent = self.nodes[node]
-            reach *= factors[i]
-            entry = (tok, law)
-            if law is not None:
-                if not any(c[1] is law for c in parent.cands):
-                    parent.cands.insert(0, entry)
-            elif entry not in [(t, q) for t, q in parent.cands if q is None]:
-                parent.cands.append(entry)
-            child = parent.children.get(tok)
-            if child is None:
-                child = len(self.nodes)
-                parent.children[tok] = child
-                self.nodes.append(_Node(tok, node, parent.depth + 1, reach, {source}))
-            elif source not in self.nodes[child].sources:  # independent evidence for the same token
-                self.nodes[child].score = 1 - (1 - self.nodes[child].score) * (1 - reach)
-                self.nodes[child].sources.add(source)
-            else:
-                self.nodes[child].score = max(self.nodes[child].score, reach)
-            node = child
-            reach = self.nodes[node].score
-            out.append(node)
-        return out
-
-    def select(self, budget: int, max_depth: int, cost: "WidthCost | None" = None) -> TokenTree:
-        """The best nodes (root included, none deeper than max_depth) as a flat tree: the `budget` best, or,
-        given the cost of a target forward by width, the best prefix of those by expected tokens per second
-        (see WidthCost.best_width). A child never scores above its parent and ties go to the shallower node,
-        so the kept set is ancestor-closed."""
-        for n in self.nodes[1:]:
-            n.score = min(n.score, self.nodes[n.parent].score)
-        order = sorted(range(1, len(self.nodes)), key=lambda i: (-self.nodes[i].score, self.nodes[i].depth, i))
-        fits = [i for i in order if self.nodes[i].depth <= max_depth][:max(0, budget - 1)]
-        if cost is not None:
-            fits = fits[:cost.best_width([self.nodes[i].score for i in fits]) - 1]
-        kept = [0] + fits
-        flat = {old: new for new, old in enumerate(kept)}
-        cands = []
-        for old in kept:
-            node = self.nodes[old]
-            cands.append([Candidate(t, q, flat[node.children[t]]) for t, q in node.cands
-                          if node.children[t] in flat])
-        return TokenTree(tokens=[self.nodes[i].token for i in kept],
-                         parents=[flat[self.nodes[i].parent] if i else -1 for i in kept],
-                         depths=[self.nodes[i].depth for i in kept],
-                         sources=[self.nodes[i].sources for i in kept], cands=cands)
-
-
-# --------------------------------------------------------------------------------------------
-# Target forward over a tree, verification, cache compaction
-
-
-def tree_mask(parents: list[int], cache_len: int, device=None) -> torch.Tensor:
-    """Bool attention mask [1, 1, T, cache_len + T]: every node sees the cached prefix, itself and its
-    ancestors (parents must come before children)."""
-    T = len(parents)
-    anc = torch.zeros(T, T, dtype=torch.bool)
-    for i, p in enumerate(parents):
-        if p >= 0:
-            anc[i] = anc[p]
-        anc[i, i] = True
-    mask = torch.cat([torch.ones(T, cache_len, dtype=torch.bool), anc], dim=1)
-    return mask[None, None].to(device)
-
-
-def tree_positions(depths: list[int], cache_len: int, device=None) -> torch.Tensor:
-    return (cache_len + torch.tensor(depths, dtype=torch.long)).to(device)
-
-
-def tree_logits(model, tree: TokenTree) -> torch.Tensor:
-    """Feed the tree after the target's cache; returns its logits [T, V]. The cache then holds the
-    tree's K/V in slots cache_len .. cache_len + T - 1, in tree order (see compact_cache)."""
-    device = model.output.weight.device
-    L = model.cache_len
-    feed = torch.tensor([tree.tokens], device=device)
-    return model(feed, mask=tree_mask(tree.parents, L, device), positions=tree_positions(tree.depths, L, device))[0]
-
-
-def compact_cache(model, base: int, path: list[int]) -> None:
-    """Keep the root (slot `base`) and the accepted path's K/V rows, moved into consecutive slots
-    base + 1 .. base + len(path), then set the cache length. `path` holds increasing tree indices, so no
-    row is overwritten before it is read."""
-    if path:
-        device = model.output.weight.device
-        src = torch.tensor(path, device=device) + base
-        dst = torch.arange(base + 1, base + 1 + len(path), device=device)
-        if not torch.equal(src, dst):
-            for layer in model.layers:
-                att = layer.attention
-                att.k_cache[:, :, dst] = att.k_cache[:, :, src]
-                att.v_cache[:, :, dst] = att.v_cache[:, :, src]
-    model.rollback(base + 1 + len(path))
-
-
-def verify_tree(tree: TokenTree, logits: torch.Tensor, params: SamplingParams,
-                generator: torch.Generator) -> tuple[list[int], int]:
-    """Walk the tree from the root: (accepted nodes, next token). logits: [len(tree), V], row i scores
-    the token after node i."""
-    path, node = [], 0
-    while True:
-        child, token = _choose(tree.cands[node], logits[node], params, generator)
-        if child is None:
-            return path, token
-        path.append(child)
-        node = child
-
-
-def _choose(cands: list[Candidate], row: torch.Tensor, params: SamplingParams,
-            generator: torch.Generator) -> tuple[int | None, int]:
-    """One step of the walk: (child to descend into or None, the token emitted at this step)."""
-    if params.greedy:
-        token = int(row.argmax())
-        return next((c.child for c in cands if c.token == token), None), token
-    r = probs_from_logits(row, params)
-    for c in cands:
-        qx = 1.0 if c.law is None else float(c.law[c.token])
-        if qx > 0 and float(torch.rand(1, generator=generator, device=r.device)) * qx < float(r[c.token]):
-            return c.child, c.token
-        r = _residual(r, c)
-    return None, sample(r, generator)
-
-
-def _residual(r: torch.Tensor, c: Candidate) -> torch.Tensor:
-    """norm(max(0, r - q)) after candidate c is rejected (q one-hot on c.token when deterministic); r
-    itself if rounding left nothing (then c could not have been rejected in exact arithmetic)."""
-    if c.law is None:
-        rest = r.clone()
-        rest[c.token] = 0.0
-    else:
-        rest = (r - c.law.to(r.dtype)).clamp(min=0)
-    total = float(rest.sum())
-    return rest / total if total > 0 else r
 
 
 # --------------------------------------------------------------------------------------------
@@ -291,7 +84,7 @@ class TreeProposer:
     name = "d3d-tree"
 
     def __init__(self, drafter: D3DProposer | None, budget: int = 32, alternatives: int = 2, alt_tail: int = 3,
-                 ngram_matches: int = 4, max_ngram: int = 3, cost: "WidthCost | None" = None):
+                 ngram_matches: int = 4, max_ngram: int = 3, cost: WidthCost | None = None):
         if budget < 1:
             raise D3DError(f"tree budget must be >= 1 (got {budget})")
         self.d3d, self.budget, self.alternatives, self.alt_tail = drafter, budget, alternatives, alt_tail
@@ -412,103 +205,6 @@ def generate_tree(model, tokenizer, prompt_ids: list[int], params: SamplingParam
         res.branches.append(_branch(tree, path))
         reason = commit_round(res, stopper, tokens, chunk, on_round, logprobs, logits[[0] + path])
     return finish(res, stopper, reason, t1, device, logprobs)
-
-
-# --------------------------------------------------------------------------------------------
-# The tree budget: from the measured cost of a target forward versus its width
-
-
-@torch.no_grad()
-def width_cost_curve(model, widths: tuple[int, ...] = WIDTHS, context: int = 256, repeats: int = 5) -> dict[int, float]:
-    """Seconds of one target forward feeding `width` tokens after a cache of `context` tokens, for each
-    width: the fastest of `repeats` runs (interference from other work only ever adds time), the widths
-    taking turns so that a busy spell slows them all alike. Every forward is rolled back, so the cache
-    only ever holds the context."""
-    device = model.output.weight.device
-    model.setup_cache(1, context + max(widths) + 1)
-    model(torch.zeros(1, context, dtype=torch.long, device=device))
-    times: dict[int, list[float]] = {w: [] for w in widths}
-    for r in range(repeats + 1):  # the first pass warms up
-        for w in widths:
-            feed = torch.zeros(1, w, dtype=torch.long, device=device)
-            t0 = time.perf_counter()
-            model(feed)
-            sync_device(device)
-            if r:
-                times[w].append(time.perf_counter() - t0)
-            model.rollback(context)
-    return {w: min(t) for w, t in times.items()}
-
-
-class WidthCost:
-    """Seconds of a target forward by width (linear between measured widths), and the width that
-    maximises expected tokens per second of a round."""
-
-    def __init__(self, curve: dict[int, float], overhead: float = 0.0):
-        self.widths = sorted(curve)
-        self.curve, self.overhead = monotone(curve), overhead
-
-    def __call__(self, width: int) -> float:
-        ws = self.widths
-        lo = max([w for w in ws if w <= width], default=ws[0])
-        hi = min([w for w in ws if w >= width], default=ws[-1])
-        if lo == hi:
-            lo, hi = (ws[-2], ws[-1]) if width > ws[-1] else (lo, hi)
-        if lo == hi:
-            return self.curve[lo]
-        return self.curve[lo] + (width - lo) * (self.curve[hi] - self.curve[lo]) / (hi - lo)
-
-    def best_width(self, scores: list[float]) -> int:
-        """Nodes sorted by score (the chance that verification reaches them): the tree width T (root
-        included) maximising (1 + sum of the first T - 1 scores) / (cost(T) + overhead), i.e. expected
-        tokens of the round per second. overhead: the round's other costs (drafting)."""
-        best, best_rate, gain = 1, 0.0, 1.0
-        for t in range(1, len(scores) + 2):
-            if t > 1:
-                gain += scores[t - 2]
-            rate = gain / (self(t) + self.overhead)
-            if rate > best_rate:
-                best, best_rate = t, rate
-        return best
-
-
-def monotone(curve: dict[int, float]) -> dict[int, float]:
-    """The curve made non-decreasing in width (a running maximum): a wider forward that measured faster
-    than a narrower one did so by noise."""
-    out, top = {}, 0.0
-    for w in sorted(curve):
-        top = max(top, curve[w])
-        out[w] = top
-    return out
-
-
-def choose_budget(curve: dict[int, float], base: int = 16, max_ratio: float = 1.25) -> int:
-    """The widest measured forward that costs at most `max_ratio` times a plain block of `base` tokens:
-    beyond it, extra candidates would have to raise tau by more than the forward's extra cost."""
-    if base not in curve:
-        raise D3DError(f"the cost curve has no width {base}")
-    curve = monotone(curve)
-    limit = max_ratio * curve[base]
-    return max(w for w, s in curve.items() if w <= base or s <= limit)
-
-
-@torch.no_grad()
-def drafter_cost(proposer: D3DProposer, context: int = 256, repeats: int = 3) -> float:
-    """Seconds of one synchronous D3D draft after `context` tokens (one new token per draft): the fastest
-    of `repeats`."""
-    d = proposer.drafter
-    d.setup_cache(1, context + d.block_size + 2)
-    d.cached_tokens = []
-    text = [0] * context
-    d.draft_block(text)
-    times = []
-    for i in range(repeats):
-        text[-1] = 1 + i % 2  # the last token changes: each draft feeds it again, as a round does
-        t0 = time.perf_counter()
-        d.draft_block(text)
-        sync_device(d.draft_ids.device)
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def auto_tree(model, proposer: D3DProposer) -> TreeProposer:

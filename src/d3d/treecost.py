@@ -1,0 +1,106 @@
+"""The width of d3d-tree's trees: the measured cost of a target forward versus how many tokens it
+feeds, the budget that cost allows, and the width that maximises expected tokens per second."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .drafter import D3DProposer
+from .engine import sync_device
+from .errors import D3DError
+
+WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@torch.no_grad()
+def width_cost_curve(model, widths: tuple[int, ...] = WIDTHS, context: int = 256, repeats: int = 5) -> dict[int, float]:
+    """Seconds of one target forward feeding `width` tokens after a cache of `context` tokens, for each
+    width: the fastest of `repeats` runs (interference from other work only ever adds time), the widths
+    taking turns so that a busy spell slows them all alike. Every forward is rolled back, so the cache
+    only ever holds the context."""
+    device = model.output.weight.device
+    model.setup_cache(1, context + max(widths) + 1)
+    model(torch.zeros(1, context, dtype=torch.long, device=device))
+    times: dict[int, list[float]] = {w: [] for w in widths}
+    for r in range(repeats + 1):  # the first pass warms up
+        for w in widths:
+            feed = torch.zeros(1, w, dtype=torch.long, device=device)
+            t0 = time.perf_counter()
+            model(feed)
+            sync_device(device)
+            if r:
+                times[w].append(time.perf_counter() - t0)
+            model.rollback(context)
+    return {w: min(t) for w, t in times.items()}
+
+
+class WidthCost:
+    """Seconds of a target forward by width (linear between measured widths), and the width that
+    maximises expected tokens per second of a round."""
+
+    def __init__(self, curve: dict[int, float], overhead: float = 0.0):
+        self.widths = sorted(curve)
+        self.curve, self.overhead = monotone(curve), overhead
+
+    def __call__(self, width: int) -> float:
+        ws = self.widths
+        lo = max([w for w in ws if w <= width], default=ws[0])
+        hi = min([w for w in ws if w >= width], default=ws[-1])
+        if lo == hi:
+            lo, hi = (ws[-2], ws[-1]) if width > ws[-1] else (lo, hi)
+        if lo == hi:
+            return self.curve[lo]
+        return self.curve[lo] + (width - lo) * (self.curve[hi] - self.curve[lo]) / (hi - lo)
+
+    def best_width(self, scores: list[float]) -> int:
+        """Nodes sorted by score (the chance that verification reaches them): the tree width T (root
+        included) maximising (1 + sum of the first T - 1 scores) / (cost(T) + overhead), i.e. expected
+        tokens of the round per second. overhead: the round's other costs (drafting)."""
+        best, best_rate, gain = 1, 0.0, 1.0
+        for t in range(1, len(scores) + 2):
+            if t > 1:
+                gain += scores[t - 2]
+            rate = gain / (self(t) + self.overhead)
+            if rate > best_rate:
+                best, best_rate = t, rate
+        return best
+
+
+def monotone(curve: dict[int, float]) -> dict[int, float]:
+    """The curve made non-decreasing in width (a running maximum): a wider forward that measured faster
+    than a narrower one did so by noise."""
+    out, top = {}, 0.0
+    for w in sorted(curve):
+        top = max(top, curve[w])
+        out[w] = top
+    return out
+
+
+def choose_budget(curve: dict[int, float], base: int = 16, max_ratio: float = 1.25) -> int:
+    """The widest measured forward that costs at most `max_ratio` times a plain block of `base` tokens:
+    beyond it, extra candidates would have to raise tau by more than the forward's extra cost."""
+    if base not in curve:
+        raise D3DError(f"the cost curve has no width {base}")
+    curve = monotone(curve)
+    limit = max_ratio * curve[base]
+    return max(w for w, s in curve.items() if w <= base or s <= limit)
+
+
+@torch.no_grad()
+def drafter_cost(proposer: D3DProposer, context: int = 256, repeats: int = 3) -> float:
+    """Seconds of one synchronous D3D draft after `context` tokens (one new token per draft): the fastest
+    of `repeats`."""
+    d = proposer.drafter
+    d.setup_cache(1, context + d.block_size + 2)
+    d.cached_tokens = []
+    text = [0] * context
+    d.draft_block(text)
+    times = []
+    for i in range(repeats):
+        text[-1] = 1 + i % 2  # the last token changes: each draft feeds it again, as a round does
+        t0 = time.perf_counter()
+        d.draft_block(text)
+        sync_device(d.draft_ids.device)
+        times.append(time.perf_counter() - t0)
+    return min(times)
