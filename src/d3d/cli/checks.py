@@ -1,0 +1,96 @@
+"""Argument checks shared by the commands: each raises D3DError with the option's name, before the model
+loads where it can (torch is imported only by the checks that need it)."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..errors import D3DError
+from ..registry import get
+
+
+def set_threads(n: int | None) -> None:
+    if n is not None and n < 1:
+        raise D3DError(f"--threads must be >= 1 (got {n})")
+    import torch
+
+    torch.set_num_threads(n or min(2, torch.get_num_threads()))
+
+
+def num_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def check_device(device: str) -> None:
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise D3DError(f"unknown device {device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise D3DError(f"device {device!r} requested but CUDA is not available")
+
+
+def check_budget(max_new_tokens: int, block_size: int) -> None:
+    if max_new_tokens <= 0:
+        raise D3DError(f"--max-new-tokens must be > 0 (got {max_new_tokens})")
+    if block_size < 1:
+        raise D3DError(f"--block-size must be >= 1 (got {block_size})")
+
+
+def check_tree_budget(tree_budget: int | None) -> None:
+    if tree_budget is not None and tree_budget < 1:
+        raise D3DError(f"--tree-budget must be >= 1 (got {tree_budget})")
+
+
+def open_target(target: str | None, device: str = "cpu", quantize: str | None = None):
+    """load_target, with any failure to read the checkpoint reported as a user error."""
+    from ..target import load_target
+
+    try:
+        return load_target(target, device, quantize=quantize)
+    except D3DError:
+        raise
+    except (OSError, ValueError, KeyError, RuntimeError, TypeError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise D3DError(f"could not load target {target}: {msg}") from None
+
+
+def check_max_shards(max_shards: int | None) -> None:
+    if max_shards is not None and max_shards < 1:
+        raise D3DError(f"--max-shards must be >= 1 (got {max_shards})")
+
+
+def check_drafter(drafter: str | None) -> None:
+    if drafter is not None and not Path(drafter).expanduser().exists():
+        raise D3DError(f"drafter path does not exist: {drafter}")
+
+
+def int_list(spec: str, flag: str) -> list[int]:
+    try:
+        out = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise D3DError(f"{flag} takes comma-separated integers (got {spec!r})") from None
+    if not out:
+        raise D3DError(f"{flag} is empty")
+    return out
+
+
+def dest(option: str) -> str:
+    return option.replace("-", "_")
+
+
+def drafter_for(method: str, args: argparse.Namespace) -> str | None:
+    """The --drafter (or --dflash-drafter, ...) path that `method` uses (checked to exist)."""
+    path = getattr(args, dest(get(method).drafter_option), None)
+    check_drafter(path)
+    return path
+
+
+def sampling(args: argparse.Namespace):
+    from ..verify import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)

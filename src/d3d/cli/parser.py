@@ -1,0 +1,197 @@
+"""The `d3d` argument parser. It imports neither torch nor a method module (`d3d --help` stays fast): the
+method names and drafter options come from d3d.registry, the commands import what they need when run."""
+from __future__ import annotations
+
+import argparse
+
+from ..registry import drafter_options, method_names
+from .drafters import cmd_data, cmd_prune, cmd_train
+from .run import QUICK_LIMIT, QUICK_NEW_TOKENS, cmd_bench, cmd_demo, cmd_generate, cmd_report, cmd_serve
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with the same one-line `d3d: error: ...` format as every other error."""
+
+    def error(self, message: str):
+        self.exit(2, f"d3d: error: {message} (see {self.prog} --help)\n")
+
+
+def _add_target_args(p: argparse.ArgumentParser, device: bool = True) -> None:
+    p.add_argument("--target", default=None,
+                   help="HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: min(2, available))")
+    if device:
+        for option, methods in drafter_options().items():
+            p.add_argument(f"--{option}", default=None, help=f"drafter checkpoint for {', '.join(methods)}")
+        p.add_argument("--block-size", type=int, default=16, help="tokens verified per target forward")
+        p.add_argument("--device", default="cpu")
+        p.add_argument("--quantize", choices=["int8"], default=None,
+                       help="int8 weights for target and drafter (CPU, fbgemm); default: fp32")
+
+
+def _add_tree_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tree-budget", type=int, default=None,
+                   help="d3d-tree: a fixed number of tokens per verified tree (default: fitted to this device's "
+                        "measured cost of a target forward vs its width, see d3d.tree.auto_tree)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, seed: int | None) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--seed", type=int, default=seed)
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+
+
+def _generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate a continuation of one prompt")
+    p.add_argument("prompt")
+    p.add_argument("--method", default="ar", help=f"one of {', '.join(method_names())}")
+    _add_sampling_args(p, seed=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    p.add_argument("--trace", default=None, help="d3d-async: write a Chrome trace of the rounds (+ a PNG timeline)")
+    p.add_argument("--draft-device", default=None, help="device of the drafter (default: the target's)")
+    _add_tree_args(p)
+    _add_target_args(p)
+    p.set_defaults(func=cmd_generate)
+
+
+def _bench(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark methods against plain decoding, write a JSON report")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompts", help='JSONL file, one {"prompt": ...} per line')
+    src.add_argument("--benchmarks", help="comma-separated among gsm8k,math500,humaneval,mt-bench,sharegpt "
+                                          "(default: all)")
+    p.add_argument("--methods", default="ar,ngram",
+                   help=f"comma-separated among {', '.join(method_names())}; ar is always added as reference")
+    _add_tree_args(p)
+    p.add_argument("--limit", type=int, default=None, help="first N prompts of each benchmark")
+    p.add_argument("--save-outputs", action="store_true", help="also store token ids and text per prompt")
+    p.add_argument("--out", required=True, help="output JSON file (an interrupted run resumes from OUT.journal)")
+    p.add_argument("--cost-curve", action="store_true",
+                   help="first measure one target forward vs its width (1-64 tokens) and record it")
+    p.add_argument("--quick", action="store_true",
+                   help=f"smoke run: {QUICK_LIMIT} prompt per benchmark, {QUICK_NEW_TOKENS} new tokens "
+                        f"(unless --limit / --max-new-tokens say otherwise)")
+    _add_sampling_args(p, seed=0)
+    _add_target_args(p)
+    p.set_defaults(func=cmd_bench, max_new_tokens=None)
+
+
+def _report(sub) -> None:
+    p = sub.add_parser("report", help="markdown table and plots from bench result files")
+    p.add_argument("results", nargs="+", help="JSON files written by d3d bench")
+    p.add_argument("--out-dir", default=None, help="where REPORT.md and the PNGs go (default: the first file's folder)")
+    p.set_defaults(func=cmd_report)
+
+
+def _demo(sub) -> None:
+    p = sub.add_parser("demo", help="plain decoding vs the best method on three embedded prompts (math, code, chat)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    _add_target_args(p, device=False)
+    p.set_defaults(func=cmd_demo)
+
+
+def _data(sub) -> None:
+    p = sub.add_parser("data", help="generate self-distillation data from the target (resumable)")
+    p.add_argument("--target", default=None)
+    p.add_argument("--out", default="data/distill")
+    p.add_argument("--max-tokens", type=int, default=1_000_000, help="stop once this many response tokens exist")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--shard-size", type=int, default=128)
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(func=cmd_data)
+
+
+def _train(sub) -> None:
+    p = sub.add_parser("train", help="train a D3D drafter on distillation data (resumable; accelerate-ready)")
+    p.add_argument("--target", default=None)
+    p.add_argument("--data", default="data/distill")
+    p.add_argument("--out", required=True, help="drafter folder to write (drafter.safetensors + drafter.json)")
+    p.add_argument("--run-dir", default=None, help="checkpoints and history (default: OUT.run); reused to resume")
+    p.add_argument("--layers", default=None,
+                   help="target layers that initialise the drafter stack (default 26,27,28,29; "
+                        "with --init-model: layers of that model, default all)")
+    p.add_argument("--init", default=None, help="fine-tune this drafter checkpoint instead of building a new one")
+    p.add_argument("--init-model", nargs="?", const="target", default=None, metavar="PATH_OR_NAME",
+                   help="convert a whole pretrained causal LM with the target's tokenizer (a HF folder, a .gguf, "
+                        "or `target`, the default when the flag has no value) into a token-shift block-diffusion "
+                        "drafter; made from the target, layers kept frozen are stored as references (delta)")
+    p.add_argument("--freeze-below", type=int, default=0, help="keep drafter stack layers 0..N-1 frozen")
+    p.add_argument("--max-file-mb", type=float, default=None, help="split the weights into files of at most this size")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="LM head rows (most frequent tokens); 0 = all (default 8192; with --init-model 0)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--max-prompt-tokens", type=int, default=64, help="prompt tail kept as training context")
+    p.add_argument("--kind", choices=("d3d", "dflash", "ar"), default="d3d",
+                   help="d3d: standalone block diffusion; dflash: conditioned on target hidden states "
+                        "(baseline); ar: causal drafter for ar-draft (baseline)")
+    p.add_argument("--target-layers", default=None, help="dflash: target layers to read (default: 4 spread out)")
+    p.add_argument("--ar-weight", type=float, default=None,
+                   help="lambda of the auxiliary AR loss (default: d3d 0.5, dflash 0, ar 1)")
+    p.add_argument("--gamma", type=float, default=7.0, help="slot k loss weight exp(-k / gamma)")
+    p.add_argument("--blocks-per-seq", type=int, default=12)
+    p.add_argument("--layer-drop", type=float, default=0.0,
+                   help="LayerDrop: skip each drafter layer with this probability per step (makes it prunable)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-shards", type=int, default=None, help="train on the first N data shards only")
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(func=cmd_train)
+
+
+def _prune(sub) -> None:
+    p = sub.add_parser("prune", help="remove drafter layers one at a time by their effect on tau (resumable)")
+    p.add_argument("--drafter", default=None, help="drafter to prune (default: the one shipped for the target)")
+    p.add_argument("--out", required=True, help="folder for the pruned drafter")
+    p.add_argument("--run-dir", default=None, help="calibration cache and resumable state (default: OUT.run)")
+    p.add_argument("--report", default="results/prune/report.json", help="report JSON (plot beside it)")
+    p.add_argument("--sets", default="math,code,chat", help="calibration sets (never benchmark test prompts)")
+    p.add_argument("--prompts-per-set", type=int, default=6)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--keep-ratio", type=float, default=0.99, help="stop before mean tau drops below this share")
+    p.add_argument("--min-layers", type=int, default=1, help="layer budget: never go below this many layers")
+    p.add_argument("--heal-steps", type=int, default=0, help="fine-tune steps after each removal (0 = none)")
+    p.add_argument("--heal-lr", type=float, default=2e-4)
+    p.add_argument("--data", default="data/distill", help="training data for healing")
+    p.add_argument("--max-shards", type=int, default=None, help="heal on the first N data shards only")
+    p.add_argument("--heldout", default="gsm8k,math500,humaneval,mt-bench,sharegpt",
+                    help="benchmarks on which to check tau before/after ('' = skip)")
+    p.add_argument("--heldout-limit", type=int, default=5)
+    p.add_argument("--target", default=None)
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(func=cmd_prune)
+
+
+def _serve(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with streaming, a live web page and /metrics")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 = any free port")
+    p.add_argument("--method", default=None,
+                   help=f"one of {', '.join(method_names())} (default: d3d.methods.BEST_METHOD)")
+    p.add_argument("--max-queue", type=int, default=16,
+                   help="requests that may wait behind the running one (>= 1; beyond: 503)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every path but /health (default: $D3D_API_KEY)")
+    p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                   help="also accept browser requests from this origin, e.g. http://localhost:3000 ('*' = any); "
+                        "repeatable (default: only the server's own)")
+    p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                   help="deadline per request: 504 if still queued, else cut at the next round with "
+                        "finish_reason 'length' (default: none)")
+    _add_target_args(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="d3d", description="Asynchronous speculative decoding with standalone diffusion drafters.")
+    sub = p.add_subparsers(dest="command", required=True)
+    for add in (_generate, _bench, _report, _demo, _data, _train, _prune, _serve):
+        add(sub)
+    return p

@@ -1,0 +1,170 @@
+"""The commands that run a target: generate, bench, report, demo and serve."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from ..errors import D3DError
+from ..registry import drafter_options
+from .checks import (check_budget, check_device, check_drafter, check_tree_budget, dest, drafter_for, num_threads,
+                     open_target, sampling)
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from ..methods import make_runner, parse_methods
+    from ..target import encode_prompt
+
+    if not args.prompt.strip():
+        raise D3DError("empty prompt")
+    methods = parse_methods(args.method)
+    if len(methods) != 1:
+        raise D3DError("generate takes exactly one --method")
+    method = methods[0]
+    params = sampling(args)
+    check_budget(args.max_new_tokens, args.block_size)
+    check_tree_budget(args.tree_budget)
+    check_device(args.device)
+    check_drafter(args.drafter)
+
+    if args.draft_device:
+        check_device(args.draft_device)
+    if args.trace and method != "d3d-async":
+        raise D3DError("--trace records the rounds of --method d3d-async")
+
+    model, tok, model_dir = open_target(args.target, args.device, args.quantize)
+    runner = make_runner(method, model, tok, model_dir, drafter=drafter_for(method, args), block_size=args.block_size,
+                         draft_device=args.draft_device, tree_budget=args.tree_budget)
+    extra = {"trace": []} if args.trace else {}
+    res = runner(encode_prompt(tok, args.prompt, args.raw), params=params, max_new_tokens=args.max_new_tokens,
+                 stop=args.stop, **extra)
+    if args.trace:
+        from ..async_engine import write_chrome_trace
+        from ..plots import plot_timeline
+
+        write_chrome_trace(extra["trace"], args.trace)
+        plot_timeline(extra["trace"], Path(args.trace).with_suffix(".png"))
+        print(f"wrote {args.trace} and {Path(args.trace).with_suffix('.png')}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"method": method, **res.to_json()}))
+        return
+    print(res.text)
+    print(f"[{method}] {res.new_tokens} new tokens, tau {res.tau:.2f}, {res.tokens_per_s:.1f} tokens/s",
+          file=sys.stderr)
+
+
+QUICK_LIMIT, QUICK_NEW_TOKENS = 1, 16  # d3d bench --quick (CI smoke runs)
+
+
+def _bench_prompts(args: argparse.Namespace) -> dict[str, list]:
+    from ..bench import read_prompts_file
+    from ..prompts import BENCHMARKS, benchmark_prompts, canonical_benchmark
+
+    if args.limit is not None and args.limit <= 0:
+        raise D3DError(f"--limit must be > 0 (got {args.limit})")
+    if args.prompts:
+        return {Path(args.prompts).stem: read_prompts_file(args.prompts)[:args.limit]}
+    names = [b.strip() for b in (args.benchmarks or ",".join(BENCHMARKS)).split(",") if b.strip()]
+    names = list(dict.fromkeys(canonical_benchmark(b) for b in names))
+    if not names:
+        raise D3DError("no benchmark given")
+    return {b: benchmark_prompts(b, args.limit) for b in names}
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from ..bench import format_table, machine_info, run_bench
+    from ..data import atomic_write_json
+    from ..drafter import weights_fingerprint
+    from ..methods import drafter_path, make_runner, parse_methods
+
+    methods = parse_methods(args.methods)
+    methods = ["ar"] + [m for m in dict.fromkeys(methods) if m != "ar"]
+    if args.quick:
+        args.limit = QUICK_LIMIT if args.limit is None else args.limit
+        args.max_new_tokens = QUICK_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
+    args.max_new_tokens = 128 if args.max_new_tokens is None else args.max_new_tokens
+    params = sampling(args)
+    check_budget(args.max_new_tokens, args.block_size)
+    check_tree_budget(args.tree_budget)
+    check_device(args.device)
+    check_drafter(args.drafter)
+    prompts = _bench_prompts(args)
+    out = Path(args.out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise D3DError(f"cannot create the folder of --out {out}: {e.strerror or e}") from None
+
+    model, tok, model_dir = open_target(args.target, args.device, args.quantize)
+    drafters = {m: drafter_path(m, model_dir, drafter_for(m, args)) for m in methods}
+    runners = {m: make_runner(m, model, tok, model_dir, drafter=drafters[m], block_size=args.block_size,
+                              tree_budget=args.tree_budget) for m in methods}
+    settings = {"methods": methods, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "block_size": args.block_size,
+                "raw": args.raw, "target": args.target,
+                **{dest(o): getattr(args, dest(o)) for o in drafter_options()},
+                "drafter_weights": {m: weights_fingerprint(p) for m, p in drafters.items() if p is not None},
+                "benchmarks": list(prompts), "limit": args.limit, "quick": args.quick, "quantize": args.quantize}
+    for runner in runners.values():  # what a method resolved itself, e.g. d3d-tree's budget and cost curve
+        settings.update({k: v for k, v in runner.settings.items() if k != "block_size"})
+    curve = None
+    if args.cost_curve:
+        from ..treecost import width_cost_curve
+
+        curve = {str(w): round(t, 5) for w, t in width_cost_curve(model).items()}
+        print("target forward cost vs width (tokens fed after 256 cached: seconds, x one token): " + ", ".join(
+            f"{w}: {t * 1e3:.1f} ms ({t / curve['1']:.2f}x)" for w, t in curve.items()), flush=True)
+    journal = out.with_name(out.name + ".journal")
+    report = run_bench(model, tok, runners, prompts, params, args.max_new_tokens, raw=args.raw,
+                       save_outputs=args.save_outputs, block_size=args.block_size, journal=journal,
+                       header={**settings, "device": args.device, "threads": num_threads()})
+    report = {"machine": machine_info(args.device), "command": "d3d " + shlex.join(args.argv),
+              "settings": settings, **({"cost_curve_s": curve} if curve else {}), **report}
+    atomic_write_json(out, report)
+    journal.unlink()
+    print(format_table(report["results"]))
+    resumed = f" ({report['resumed']} generations replayed from an interrupted run)" if report["resumed"] else ""
+    print(f"wrote {out}{resumed}")
+
+
+def cmd_report(args: argparse.Namespace) -> None:
+    from ..report import write_report
+
+    out_dir = args.out_dir or str(Path(args.results[0]).parent)
+    md, files = write_report(args.results, out_dir)
+    print(md, end="")
+    print(f"wrote {', '.join(str(f) for f in files)}", file=sys.stderr)
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from ..demo import run_demo
+
+    check_budget(args.max_new_tokens, 16)
+    run_demo(*open_target(args.target), args.max_new_tokens)
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from ..api import load
+    from ..methods import BEST_METHOD
+    from ..server import check_address, serve
+
+    if not 0 <= args.port <= 65535:
+        raise D3DError(f"--port must be in 0..65535 (got {args.port})")
+    if args.max_queue < 1:
+        raise D3DError(f"--max-queue must be >= 1 (got {args.max_queue})")
+    if args.request_timeout is not None and not args.request_timeout > 0:
+        raise D3DError(f"--request-timeout must be > 0 seconds (got {args.request_timeout})")
+    check_device(args.device)
+    check_drafter(args.drafter)
+    check_address(args.host, args.port)
+    gen = load(args.target, args.method or BEST_METHOD, args.drafter, device=args.device, block_size=args.block_size,
+               quantize=args.quantize)
+    key = args.api_key or os.environ.get("D3D_API_KEY") or None
+    print(f"d3d serve: {gen.name} with method {gen.method} on http://{args.host}:{args.port} "
+          f"(web page at /, OpenAI API at /v1; API key {'required' if key else 'not required'})",
+          file=sys.stderr, flush=True)
+    serve(gen, args.host, args.port, args.max_queue, api_key=key, allow_origins=args.allow_origin,
+          request_timeout=args.request_timeout)
