@@ -14,9 +14,9 @@ Phases, each bounded in wall time (--gen-seconds, --train-seconds) so the whole 
    every prompt come first; if they hold fewer than --gen-tokens tokens, sampled answers
    (temperature --sample-temperature, seeded) to the same prompts follow until the goal is reached.
 3. Training: the whole target converted to a token-shift block-diffusion drafter (d3d.drafter), the
-   D3D objective of d3d.train (blockwise denoising + ar_weight x AR), AdamW, cosine schedule sized to the
+   D3D objective of d3d.losses (blockwise denoising + ar_weight x AR), AdamW, cosine schedule sized to the
    time budget after a few timed steps; bf16 autocast on CUDA.
-4. Estimate: held-out teacher-forced tau (d3d.train.evaluate) before and after, and replayed greedy
+4. Estimate: held-out teacher-forced tau (d3d.losses.evaluate) before and after, and replayed greedy
    tau (d3d.estimate) on the first prompts of gsm8k, humaneval and mt-bench if those packages exist.
 5. OUT/drafter: a delta checkpoint (layers below --freeze-below are the target's and are not stored),
    split into files of at most --max-file-mb; OUT/report.json: settings, timings, token counts, taus.
@@ -41,8 +41,9 @@ from d3d.prompts import (CALIBRATION_SETS, SHAREGPT_HELDOUT_POOL, _sharegpt_shuf
                          calibration_prompts, prompt_hash, training_mix)
 from d3d.checkpoints import DEFAULT_TARGET
 from d3d.target import encode_prompt, load_target
-from d3d.train import (TrainConfig, batch_to, evaluate, losses, lr_at, make_batch, trainable_parameters,
-                       vocab_map_for)
+from d3d.batches import TrainConfig, batch_to, make_batch, vocab_map_for
+from d3d.losses import evaluate, losses
+from d3d.train import lr_at, trainable_parameters
 
 SHARD_SIZE = 4096  # examples per data shard
 

@@ -6,13 +6,15 @@ from test_drafter import TINY, TinyTokenizer, tiny_examples
 from test_lossless import EOS, MAX_NEW_TINY, PROMPT, TEMP, spec_draw, tiny_model
 
 from d3d.ardraft import ARDraftProposer
+from d3d.batches import TrainConfig
 from d3d.dflash import DFlashDrafter, DFlashProposer, default_target_layers
 from d3d.drafter import drafter_from_target, load_drafter, save_drafter
 from d3d.engine import generate
 from d3d.hf import HFRunner, load_hf_model
+from d3d.losses import evaluate
 from d3d.methods import BASELINE_SUFFIX, default_drafter
 from d3d.target import Transformer
-from d3d.train import TrainConfig, evaluate, train
+from d3d.train import train
 
 
 class RecordingDFlash(DFlashProposer):
@@ -155,7 +157,8 @@ def test_transformers_reference_equals_our_plain_decoding(smol, prompt_ids):
 def test_precomputed_target_features_give_the_same_dflash_loss():
     import random
 
-    from d3d.train import losses, make_batch, target_features, vocab_map_for
+    from d3d.batches import make_batch, target_features, vocab_map_for
+    from d3d.losses import losses
 
     torch.manual_seed(0)
     target = Transformer(TINY).requires_grad_(False)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from d3d import train as train_mod
+from d3d.batches import TrainConfig, block_layout, make_batch, vocab_map_for
 from d3d.data import Example, load_dataset
 from d3d.drafter import (D3DProposer, Drafter, drafter_from_target, load_drafter, save_drafter,
                          tokenizer_fingerprint)
@@ -16,7 +17,7 @@ from d3d.engine import generate
 from d3d.methods import DEFAULT_DRAFTERS
 from d3d.prompts import benchmark_prompt_hashes
 from d3d.target import D3DError, ModelArgs, Transformer
-from d3d.train import TrainConfig, block_layout, dropped_layers, make_batch, train, vocab_map_for
+from d3d.train import dropped_layers, train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ModelArgs(vocab_size=32, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, intermediate_size=64,

@@ -6,11 +6,11 @@ import pytest
 import torch
 from test_drafter import TINY, TinyTokenizer, tiny_examples
 
+from d3d.batches import TrainConfig
 from d3d.drafter import drafter_from_target
 from d3d.plots import plot_pruning
 from d3d.prune import bypassed, calibration_tau, heal_config, healer, prune, pruning_report, remove_layers
 from d3d.target import ModelArgs, Transformer
-from d3d.train import TrainConfig
 
 THREE = ModelArgs(**{**TINY.__dict__, "n_layers": 3})
 

@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from d3d.batches import TrainConfig, make_batch, vocab_map_for
 from d3d.drafter import D3DProposer, drafter_from_target, load_drafter, save_drafter, weight_files
 from d3d.engine import generate
 from d3d.packed import keep_prefix, packed_draft
 from d3d.target import Transformer
-from d3d.train import TrainConfig, make_batch, train_drafter, vocab_map_for
+from d3d.train import train_drafter
 
 from test_drafter import TINY, TinyTokenizer, tiny_examples
 

@@ -7,7 +7,7 @@ position c + 1 + k, where c is the last clean position, sees the whole clean con
 slots (bidirectionally). Slot 0 is the token right after the context. In synchronous D3D the context
 ends with the target's bonus token and slots 0..B-2 are the draft; in asynchronous D3D the context
 ends at the last accepted draft token, slot 0 lands on the bonus position and is replaced by the bonus.
-Training (d3d.train) uses exactly this layout.
+Training (d3d.batches) uses exactly this layout.
 
 Token shift (cfg.shift, for drafters converted from a whole pretrained causal LM, as in Fast-dLLM v2):
 the hidden state at position p predicts token p + 1, so the pretrained LM head keeps its meaning. The

@@ -25,7 +25,7 @@ from .data import atomic_write_json
 from .drafter import WEIGHTS_NAME, Drafter, bypassed, drafter_class, save_drafter
 from .estimate import mean_tau
 from .packed import keep_prefix, packed_draft
-from .train import TrainConfig
+from .batches import TrainConfig
 
 Calibration = dict[str, tuple[list[list[int]], list[list[int]]]]  # set name -> (prompt ids, continuations)
 
