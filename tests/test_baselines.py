@@ -58,6 +58,17 @@ def test_shipped_baseline_greedy_is_identical_to_ar(smol, prompt_ids, method):
         assert res.token_ids == ar.token_ids and res.text == ar.text
 
 
+def test_ar_draft_with_a_fixed_draft_length(smol, prompt_ids):
+    from d3d.methods import make_runner
+
+    model, tok, model_dir = smol
+    run = make_runner("ar-draft", model, tok, model_dir, ar_draft_k=2)
+    assert run.settings["ar_draft_k"] == 2 and make_runner("ar-draft", model, tok, model_dir).settings["ar_draft_k"] is None
+    ar = generate(model, tok, prompt_ids[0], max_new_tokens=32)
+    res = run(prompt_ids[0], max_new_tokens=32)
+    assert res.token_ids == ar.token_ids and max(res.acceptance_lengths) <= 3
+
+
 def test_ar_draft_with_a_partial_copy_of_the_target(smol, prompt_ids):
     """A drafter of the target's first 28 of 30 layers agrees often but not always: both accepted and
     rejected drafts occur, k adapts, and the output is still exactly plain decoding's."""

@@ -308,3 +308,21 @@ def test_quick_bench_end_to_end(tmp_path):
     for (b, m), r in rows.items():
         prompt_rows = [p for p in report["per_prompt"] if (p["benchmark"], p["method"]) == (b, m)]
         assert sum(r["tau_histogram"]) == sum(p["rounds"] for p in prompt_rows)
+
+
+def test_bench_runs_each_method_once_per_named_drafter(tmp_path):
+    """--drafters NAME=PATH: d3d runs once per drafter (rows d3d@NAME) beside the methods without one."""
+    from d3d.methods import DEFAULT_DRAFTERS
+
+    shipped = str(next(p for p in DEFAULT_DRAFTERS.iterdir() if p.name.endswith("Instruct")))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Count from 1 to 5."}\n')
+    out = tmp_path / "drafters.json"
+    assert main(["bench", "--prompts", str(prompts), "--methods", "d3d,ngram", "--drafters", f"a={shipped}",
+                 f"b={shipped}", "--max-new-tokens", "8", "--threads", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = {r["method"]: r for r in report["results"]}
+    assert list(rows) == ["ar", "d3d@a", "d3d@b", "ngram"]
+    assert all(r["lossless"] for r in rows.values()) and rows["d3d@a"]["tau"] == rows["d3d@b"]["tau"]
+    assert report["settings"]["drafters"] == {"a": shipped, "b": shipped}
+    assert report["settings"]["drafter_weights"]["d3d@a"] == report["settings"]["drafter_weights"]["d3d@b"]

@@ -5,7 +5,7 @@ the next-token loss only). Its KV cache follows the verified text: drafted token
 drafting, and the next round keeps whatever prefix the target accepted (Drafter.sync_context).
 
 k adapts to recent acceptance like transformers' assisted generation: +2 after a round that accepted
-every draft, -1 otherwise, within [1, max_k].
+every draft, -1 otherwise, within [1, max_k]; the method option ar_draft_k (`--ar-draft-k`) fixes it.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 from .drafter import Drafter, draft_generator, sample_draft
 from .engine import generate
-from .registry import Method, Setup, register
+from .registry import Method, Runner, Setup, register
 from .verify import SamplingParams
 
 
@@ -66,9 +66,13 @@ class ARDraftProposer:
         return draft, torch.cat(qs) if qs else None
 
 
-def _ar_draft_runner(s: Setup):
-    proposer = ARDraftProposer(s.drafter("ar", "ar-draft"), s.model.args.vocab_size, max_len=s.model.args.max_seq_len)
-    return partial(generate, s.model, s.tokenizer, proposer=proposer, block_size=s.block_size)
+def _ar_draft_runner(s: Setup) -> Runner:
+    k = s.options.get("ar_draft_k")
+    fixed = {} if k is None else {"k": k, "adaptive": False}
+    proposer = ARDraftProposer(s.drafter("ar", "ar-draft"), s.model.args.vocab_size, max_len=s.model.args.max_seq_len,
+                               **fixed)
+    return Runner(partial(generate, s.model, s.tokenizer, proposer=proposer, block_size=s.block_size),
+                  block_size=s.block_size, ar_draft_k=k)
 
 
 AR_DRAFT = register(Method("ar-draft", _ar_draft_runner, help="baseline: a small autoregressive drafter",

@@ -9,6 +9,7 @@ continuation, advance by that count + 1. The result equals a real `d3d` run's ac
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -79,7 +80,7 @@ def benchmark_continuations(model, tokenizer, benchmarks: list[str], limit: int,
     return greedy_continuations(model, tokenizer, texts, max_new_tokens, cache, desc="benchmark continuations")
 
 
-WHOLE_TARGET = "whole-target"  # --drafter value: the untrained token-shift drafter made of the whole target
+WHOLE_TARGET = "whole-target"  # `d3d estimate --drafters NAME=whole-target`: the untrained token-shift drafter made of the whole target
 
 
 def whole_target_drafter(model, tokenizer, target_name: str, block_size: int = 16) -> Drafter:
@@ -92,76 +93,16 @@ def whole_target_drafter(model, tokenizer, target_name: str, block_size: int = 1
     return d.eval().requires_grad_(False)
 
 
-def _merge_json(path: Path, key: str, record: dict) -> None:
-    from .data import atomic_write_json
-
-    done = json.loads(path.read_text()) if path.exists() else {}
-    done[key] = record
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(path, done)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m d3d.estimate`: replayed greedy tau of a drafter on benchmark prompts, merged into a JSON
-    file under --key (with the command). --drafter whole-target builds the untrained whole-target
-    token-shift drafter (--save writes it as a delta checkpoint, e.g. for `d3d bench --drafter`)."""
-    import argparse
-    import shlex
-    import sys
-    import time
-
-    from .drafter import load_drafter, save_drafter
-    from .errors import D3DError
-    from .prompts import BENCHMARKS
-    from .quantize import apply_quantize
-    from .checkpoints import DEFAULT_TARGET
-    from .target import load_target
-
-    p = argparse.ArgumentParser(prog="python -m d3d.estimate")
-    p.add_argument("--drafter", required=True, help=f"drafter folder, or {WHOLE_TARGET}")
-    p.add_argument("--target", default=None)
-    p.add_argument("--benchmarks", default="gsm8k,humaneval,mt-bench")
-    p.add_argument("--limit", type=int, default=2)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--quantize-drafter", choices=("int8",), default=None, help="quantize the drafter only")
-    p.add_argument("--cache", default="runs/estimate_continuations.json", help="target continuations cache")
-    p.add_argument("--save", default=None, help=f"with {WHOLE_TARGET}: write that drafter here")
-    p.add_argument("--out", required=True)
-    p.add_argument("--key", required=True)
-    p.add_argument("--threads", type=int, default=1)
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = p.parse_args(argv)
-    try:
-        benches = [b for b in args.benchmarks.split(",") if b]
-        if not benches or any(b not in BENCHMARKS for b in benches):
-            raise D3DError(f"--benchmarks must be among {','.join(BENCHMARKS)} (got {args.benchmarks!r})")
-        torch.set_num_threads(args.threads)
-        model, tok, _ = load_target(args.target)
-        if args.drafter == WHOLE_TARGET:
-            drafter = whole_target_drafter(model, tok, args.target or DEFAULT_TARGET)
-            if args.save:
-                save_drafter(drafter, Path(args.save))
-        else:
-            drafter = load_drafter(args.drafter, model, tok)
-        drafter = apply_quantize(drafter, args.quantize_drafter, tok, batch_invariant=False)
-        conts = benchmark_continuations(model, tok, benches, args.limit, args.max_new_tokens, Path(args.cache))
-        t0 = time.time()
-        by_bench = {b: [a for p, c in rows for a in replay_acceptance(drafter, p, c, args.max_new_tokens)]
-                    for b, rows in conts.items()}
-    except D3DError as e:
-        print(f"d3d: error: {e}", file=sys.stderr)
-        return 2
+def estimate_tau(drafter: Drafter, conts: dict[str, list[tuple[list[int], list[int]]]],
+                 max_new_tokens: int) -> dict:
+    """Replayed greedy tau of `drafter` on benchmark continuations (benchmark_continuations): over all
+    rounds, per benchmark, their mean, and the share of rounds whose first draft token was accepted."""
+    t0 = time.time()
+    by_bench = {b: [a for p, c in rows for a in replay_acceptance(drafter, p, c, max_new_tokens)]
+                for b, rows in conts.items()}
     lengths = [a for ls in by_bench.values() for a in ls]
     per = {b: round(sum(ls) / max(1, len(ls)), 4) for b, ls in by_bench.items()}
-    record = {"tau": round(sum(lengths) / len(lengths), 4), "per_benchmark": per, "rounds": len(lengths),
-              "first_draft_accepted": round(sum(a >= 2 for a in lengths) / len(lengths), 4),
-              "prompts": sum(len(r) for r in conts.values()), "max_new_tokens": args.max_new_tokens,
-              "estimate_s": round(time.time() - t0, 1), "threads": args.threads,
-              "command": "python -m d3d.estimate " + shlex.join(argv)}
-    _merge_json(Path(args.out), args.key, record)
-    print(json.dumps(record))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return {"tau": round(sum(lengths) / max(1, len(lengths)), 4), "per_benchmark": per,
+            "mean": round(sum(per.values()) / max(1, len(per)), 4), "rounds": len(lengths),
+            "first_draft_accepted": round(sum(a >= 2 for a in lengths) / max(1, len(lengths)), 4),
+            "prompts": sum(len(r) for r in conts.values()), "estimate_s": round(time.time() - t0, 1)}

@@ -41,9 +41,14 @@ def check_budget(max_new_tokens: int, block_size: int) -> None:
         raise D3DError(f"--block-size must be >= 1 (got {block_size})")
 
 
-def check_tree_budget(tree_budget: int | None) -> None:
-    if tree_budget is not None and tree_budget < 1:
-        raise D3DError(f"--tree-budget must be >= 1 (got {tree_budget})")
+def method_options(args: argparse.Namespace) -> dict:
+    """The method options given (--tree-budget for d3d-tree, --ar-draft-k for ar-draft), checked; each
+    method reads its own from its Setup."""
+    options = {"tree_budget": args.tree_budget, "ar_draft_k": args.ar_draft_k}
+    for name, value in options.items():
+        if value is not None and value < 1:
+            raise D3DError(f"--{name.replace('_', '-')} must be >= 1 (got {value})")
+    return options
 
 
 def open_target(target: str | None, device: str = "cpu", quantize: str | None = None):
@@ -67,6 +72,21 @@ def check_max_shards(max_shards: int | None) -> None:
 def check_drafter(drafter: str | None) -> None:
     if drafter is not None and not Path(drafter).expanduser().exists():
         raise D3DError(f"drafter path does not exist: {drafter}")
+
+
+def named_paths(specs: list[str] | None, flag: str, special: tuple[str, ...] = ()) -> dict[str, str]:
+    """NAME=PATH arguments as {name: path}: names unique, every path existing (or one of `special`)."""
+    out: dict[str, str] = {}
+    for spec in specs or []:
+        name, sep, path = spec.partition("=")
+        if not (sep and name and path):
+            raise D3DError(f"{flag} takes NAME=PATH arguments (got {spec!r})")
+        if name in out:
+            raise D3DError(f"{flag}: the name {name!r} is given twice")
+        if path not in special:
+            check_drafter(path)
+        out[name] = path
+    return out
 
 
 def int_list(spec: str, flag: str) -> list[int]:

@@ -6,6 +6,7 @@ import argparse
 
 from ..registry import drafter_options, method_names
 from .drafters import cmd_data, cmd_prune, cmd_train
+from .measure import cmd_estimate, cmd_loadtest
 from .run import QUICK_LIMIT, QUICK_NEW_TOKENS, cmd_bench, cmd_demo, cmd_generate, cmd_report, cmd_serve
 
 
@@ -29,10 +30,12 @@ def _add_target_args(p: argparse.ArgumentParser, device: bool = True) -> None:
                        help="int8 weights for target and drafter (CPU, fbgemm); default: fp32")
 
 
-def _add_tree_args(p: argparse.ArgumentParser) -> None:
+def _add_method_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-budget", type=int, default=None,
                    help="d3d-tree: a fixed number of tokens per verified tree (default: fitted to this device's "
                         "measured cost of a target forward vs its width, see d3d.tree.auto_tree)")
+    p.add_argument("--ar-draft-k", type=int, default=None,
+                   help="ar-draft: a fixed draft length (default: adaptive, starting at 4)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, seed: int | None) -> None:
@@ -53,7 +56,7 @@ def _generate(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     p.add_argument("--trace", default=None, help="d3d-async: write a Chrome trace of the rounds (+ a PNG timeline)")
     p.add_argument("--draft-device", default=None, help="device of the drafter (default: the target's)")
-    _add_tree_args(p)
+    _add_method_options(p)
     _add_target_args(p)
     p.set_defaults(func=cmd_generate)
 
@@ -66,7 +69,10 @@ def _bench(sub) -> None:
                                           "(default: all)")
     p.add_argument("--methods", default="ar,ngram",
                    help=f"comma-separated among {', '.join(method_names())}; ar is always added as reference")
-    _add_tree_args(p)
+    p.add_argument("--drafters", nargs="+", default=None, metavar="NAME=PATH",
+                   help="run every method that takes --drafter once per drafter (rows METHOD@NAME), "
+                        "interleaved per prompt with the others")
+    _add_method_options(p)
     p.add_argument("--limit", type=int, default=None, help="first N prompts of each benchmark")
     p.add_argument("--save-outputs", action="store_true", help="also store token ids and text per prompt")
     p.add_argument("--out", required=True, help="output JSON file (an interrupted run resumes from OUT.journal)")
@@ -189,9 +195,43 @@ def _serve(sub) -> None:
     p.set_defaults(func=cmd_serve)
 
 
+def _estimate(sub) -> None:
+    p = sub.add_parser("estimate", help="replayed greedy tau of drafters against the target's cached greedy "
+                                         "continuations (no target forward per drafter)")
+    p.add_argument("--drafters", nargs="+", required=True, metavar="NAME=PATH",
+                   help="drafter checkpoints; PATH whole-target: the untrained whole-target drafter")
+    p.add_argument("--benchmarks", default="gsm8k,math500,humaneval,mt-bench", help="first turns of these")
+    p.add_argument("--limit", type=int, default=4, help="first N prompts of each benchmark")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--cache", default="runs/continuations.json", help="the target's continuations (reused)")
+    p.add_argument("--quantize-drafter", choices=("int8",), default=None, help="quantize the drafters only")
+    p.add_argument("--save", default=None, help="write the whole-target drafter here (a delta checkpoint)")
+    p.add_argument("--out", required=True, help="JSON report; drafters are added to one with the same settings")
+    p.add_argument("--target", default=None)
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(func=cmd_estimate)
+
+
+def _loadtest(sub) -> None:
+    p = sub.add_parser("loadtest", help="concurrent valid, faulty and cancelled requests against d3d serve; "
+                                         "checks greedy answers against plain decoding")
+    p.add_argument("--url", default=None, help="an already running server (default: start one)")
+    p.add_argument("--api-key", default=None, help="the key of the server given with --url")
+    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--duration", type=float, default=150, help="seconds during which clients start requests")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--method", default="ngram", help="the method of the server started here")
+    p.add_argument("--max-queue", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write the summary JSON here")
+    p.add_argument("--target", default=None)
+    p.add_argument("--threads", type=int, default=1)
+    p.set_defaults(func=cmd_loadtest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="d3d", description="Asynchronous speculative decoding with standalone diffusion drafters.")
     sub = p.add_subparsers(dest="command", required=True)
-    for add in (_generate, _bench, _report, _demo, _data, _train, _prune, _serve):
+    for add in (_generate, _bench, _report, _demo, _data, _train, _prune, _serve, _estimate, _loadtest):
         add(sub)
     return p

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 from ..errors import D3DError
-from ..registry import drafter_options
-from .checks import (check_budget, check_device, check_drafter, check_tree_budget, dest, drafter_for, num_threads,
-                     open_target, sampling)
+from ..registry import drafter_options, get
+from .checks import (check_budget, check_device, check_drafter, dest, drafter_for, method_options, named_paths,
+                     num_threads, open_target, sampling)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -26,7 +26,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     method = methods[0]
     params = sampling(args)
     check_budget(args.max_new_tokens, args.block_size)
-    check_tree_budget(args.tree_budget)
+    options = method_options(args)
     check_device(args.device)
     check_drafter(args.drafter)
 
@@ -37,7 +37,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     model, tok, model_dir = open_target(args.target, args.device, args.quantize)
     runner = make_runner(method, model, tok, model_dir, drafter=drafter_for(method, args), block_size=args.block_size,
-                         draft_device=args.draft_device, tree_budget=args.tree_budget)
+                         draft_device=args.draft_device, **options)
     extra = {"trace": []} if args.trace else {}
     res = runner(encode_prompt(tok, args.prompt, args.raw), params=params, max_new_tokens=args.max_new_tokens,
                  stop=args.stop, **extra)
@@ -74,11 +74,27 @@ def _bench_prompts(args: argparse.Namespace) -> dict[str, list]:
     return {b: benchmark_prompts(b, args.limit) for b in names}
 
 
+def _bench_runs(methods: list[str], named: dict[str, str], args: argparse.Namespace,
+                model_dir: Path) -> dict[str, tuple[str, Path | None]]:
+    """Run name -> (method, drafter checkpoint). With --drafters NAME=PATH, every method that would take its
+    checkpoint from --drafter (d3d, d3d-async, d3d-tree) runs once per named drafter, as METHOD@NAME; the
+    others run once."""
+    from ..methods import drafter_path
+
+    runs: dict[str, tuple[str, Path | None]] = {}
+    for m in methods:
+        if named and get(m).option == "drafter":
+            runs |= {f"{m}@{name}": (m, Path(path)) for name, path in named.items()}
+        else:
+            runs[m] = (m, drafter_path(m, model_dir, drafter_for(m, args)))
+    return runs
+
+
 def cmd_bench(args: argparse.Namespace) -> None:
     from ..bench import format_table, machine_info, run_bench
     from ..data import atomic_write_json
     from ..drafter import weights_fingerprint
-    from ..methods import drafter_path, make_runner, parse_methods
+    from ..methods import make_runner, parse_methods
 
     methods = parse_methods(args.methods)
     methods = ["ar"] + [m for m in dict.fromkeys(methods) if m != "ar"]
@@ -88,9 +104,12 @@ def cmd_bench(args: argparse.Namespace) -> None:
     args.max_new_tokens = 128 if args.max_new_tokens is None else args.max_new_tokens
     params = sampling(args)
     check_budget(args.max_new_tokens, args.block_size)
-    check_tree_budget(args.tree_budget)
+    options = method_options(args)
     check_device(args.device)
     check_drafter(args.drafter)
+    named = named_paths(args.drafters, "--drafters")
+    if named and not any(get(m).option == "drafter" for m in methods):
+        raise D3DError("--drafters needs a method that takes --drafter in --methods (e.g. d3d, d3d-async)")
     prompts = _bench_prompts(args)
     out = Path(args.out)
     try:
@@ -99,14 +118,15 @@ def cmd_bench(args: argparse.Namespace) -> None:
         raise D3DError(f"cannot create the folder of --out {out}: {e.strerror or e}") from None
 
     model, tok, model_dir = open_target(args.target, args.device, args.quantize)
-    drafters = {m: drafter_path(m, model_dir, drafter_for(m, args)) for m in methods}
-    runners = {m: make_runner(m, model, tok, model_dir, drafter=drafters[m], block_size=args.block_size,
-                              tree_budget=args.tree_budget) for m in methods}
+    runs = _bench_runs(methods, named, args, model_dir)
+    runners = {name: make_runner(m, model, tok, model_dir, drafter=path, block_size=args.block_size, **options)
+               for name, (m, path) in runs.items()}
     settings = {"methods": methods, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                 "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "block_size": args.block_size,
                 "raw": args.raw, "target": args.target,
                 **{dest(o): getattr(args, dest(o)) for o in drafter_options()},
-                "drafter_weights": {m: weights_fingerprint(p) for m, p in drafters.items() if p is not None},
+                **({"drafters": named} if named else {}),
+                "drafter_weights": {n: weights_fingerprint(p) for n, (_, p) in runs.items() if p is not None},
                 "benchmarks": list(prompts), "limit": args.limit, "quick": args.quick, "quantize": args.quantize}
     for runner in runners.values():  # what a method resolved itself, e.g. d3d-tree's budget and cost curve
         settings.update({k: v for k, v in runner.settings.items() if k != "block_size"})

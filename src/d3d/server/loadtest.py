@@ -1,32 +1,29 @@
-"""Load and fault test for `d3d serve`: N concurrent clients for a bounded time against a local server.
+"""`d3d loadtest`: N concurrent clients for a bounded time against `d3d serve`, valid and faulty requests.
 
 Each client loops, picking at random: valid greedy requests (chat and text completions, plain and
 streamed, some with stop strings or logprobs), sampled requests, malformed bodies, requests with no or
 a wrong API key, a wrong Content-Type or a foreign Origin, oversized bodies (a 64 MB Content-Length),
-and cancellations (a client that hangs up mid-generation, streaming or not). At the end it prints (and
-writes with --out) the requests served, p50/p99 latency of served requests, counts per status code,
-and whether every greedy answer equalled plain decoding's (method `ar`, computed in-process first).
-
-    python scripts/load_test.py --clients 4 --duration 150 --max-tokens 32 --threads 1 --out results/load_test.json
-
-Without --url it starts `d3d serve` itself (with a random --api-key) on a free port and stops it after.
+and cancellations (a client that hangs up mid-generation, streaming or not). The summary counts the
+requests served, p50/p99 latency of served requests, counts per status code, and whether every greedy
+answer equalled plain decoding's (method `ar`, computed in-process first). Without a URL it starts
+`d3d serve` itself (with a random API key) on a free port and stops it after.
 """
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import random
 import secrets
-import shlex
 import socket
 import subprocess
 import sys
 import threading
 import time
 from collections import Counter
-from pathlib import Path
+from dataclasses import dataclass
 from urllib.parse import urlparse
+
+from ..errors import D3DError
 
 CHAT_PROMPTS = [
     "What is the capital of France? Answer briefly.",
@@ -48,6 +45,24 @@ MALFORMED = [
     b'{"messages": [{"role": "user", "content": "hi"}], "stop": "' + b"x" * 100 + b'"}',
     b"[" * 50_000,
 ]
+
+
+@dataclass
+class LoadTest:
+    """What to run: against `url` (with `api_key`), or a server started here with method, target, threads
+    and max_queue; `clients` start requests for `duration` seconds, greedy ones of max_tokens tokens."""
+    url: str | None = None
+    api_key: str | None = None
+    clients: int = 4
+    duration: float = 150
+    max_tokens: int = 32
+    method: str = "ngram"
+    target: str | None = None
+    threads: int = 1
+    max_queue: int = 16
+    seed: int = 0
+
+
 KINDS = {"greedy": 45, "sampled": 8, "malformed": 12, "auth": 6, "origin": 4, "content_type": 4, "oversized": 4,
          "cancel": 12}
 
@@ -183,13 +198,13 @@ def references(max_tokens: int, threads: int, target: str | None) -> dict:
     return refs
 
 
-def start_server(args, key: str) -> tuple[subprocess.Popen, int]:
+def start_server(cfg: LoadTest, key: str) -> tuple[subprocess.Popen, int]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "d3d.cli", "serve", "--method", args.method, "--threads", str(args.threads),
-           "--port", str(port), "--max-queue", str(args.max_queue), "--api-key", key]
-    cmd += ["--target", args.target] if args.target else []
+    cmd = [sys.executable, "-m", "d3d.cli", "serve", "--method", cfg.method, "--threads", str(cfg.threads),
+           "--port", str(port), "--max-queue", str(cfg.max_queue), "--api-key", key]
+    cmd += ["--target", cfg.target] if cfg.target else []
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), port
 
 
@@ -206,14 +221,14 @@ def wait_healthy(host: str, port: int, proc: subprocess.Popen | None, timeout: f
     deadline = time.monotonic() + timeout
     while True:
         if proc is not None and proc.poll() is not None:
-            raise SystemExit("the server exited while starting")
+            raise D3DError("the server exited while starting")
         try:
             if get(host, port, "/health", None)[0] == 200:
                 return
         except OSError:
             pass
         if time.monotonic() > deadline:
-            raise SystemExit("the server did not come up")
+            raise D3DError("the server did not come up")
         time.sleep(0.5)
 
 
@@ -240,36 +255,23 @@ def summarize(records: list[dict], duration: float, metrics_text: str, health: d
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--url", default=None, help="an already running server (default: start one)")
-    p.add_argument("--api-key", default=None, help="the key of the server given with --url")
-    p.add_argument("--clients", type=int, default=4)
-    p.add_argument("--duration", type=float, default=150, help="seconds during which clients start requests")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--method", default="ngram")
-    p.add_argument("--target", default=None)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--max-queue", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="write the summary JSON here")
-    args = p.parse_args(argv)
-
-    proc, key = None, args.api_key
-    if args.url:
-        u = urlparse(args.url)
+def run_load_test(cfg: LoadTest) -> dict:
+    """Run the load test; the summary (see the module doc) with the settings it ran with."""
+    proc, key = None, cfg.api_key
+    if cfg.url:
+        u = urlparse(cfg.url)
         host, port = u.hostname, u.port or 80
     else:
         key = secrets.token_hex(16)
-        proc, port = start_server(args, key)
+        proc, port = start_server(cfg, key)
         host = "127.0.0.1"
     try:
-        refs = references(args.max_tokens, args.threads, args.target)
+        refs = references(cfg.max_tokens, cfg.threads, cfg.target)
         wait_healthy(host, port, proc)
-        clients = [Client(host, port, key, refs, args.max_tokens, random.Random(args.seed + i))
-                   for i in range(args.clients)]
+        clients = [Client(host, port, key, refs, cfg.max_tokens, random.Random(cfg.seed + i))
+                   for i in range(cfg.clients)]
         t0 = time.monotonic()
-        threads = [threading.Thread(target=c.run, args=(t0 + args.duration,)) for c in clients]
+        threads = [threading.Thread(target=c.run, args=(t0 + cfg.duration,)) for c in clients]
         for t in threads:
             t.start()
         for t in threads:
@@ -282,15 +284,6 @@ def main(argv: list[str] | None = None) -> int:
         if proc is not None:
             proc.terminate()
             proc.wait(30)
-    out = {"command": "python " + shlex.join(["scripts/load_test.py", *(argv if argv is not None else sys.argv[1:])]),
-           "method": args.method, "clients": args.clients, "max_tokens": args.max_tokens, "threads": args.threads}
-    out |= summarize([r for c in clients for r in c.records], duration, metrics, json.loads(health) | {"http": status})
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    return 0 if out["server_5xx"] == 0 and out["greedy_all_equal_ar"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    out = {"method": cfg.method, "clients": cfg.clients, "max_tokens": cfg.max_tokens, "threads": cfg.threads}
+    return out | summarize([r for c in clients for r in c.records], duration, metrics,
+                           json.loads(health) | {"http": status})

@@ -1,0 +1,100 @@
+"""Measuring commands: estimate (replayed greedy tau of several drafters, no target forward per drafter)
+and loadtest (concurrent valid and faulty requests against `d3d serve`)."""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from pathlib import Path
+
+from ..errors import D3DError
+from .checks import named_paths, open_target
+
+
+def _estimate_drafter(model, tok, target: str | None, path: str, quantize: str | None, save: str | None):
+    """The drafter a --drafters path names (WHOLE_TARGET: the untrained whole-target drafter, written to
+    --save if given), with its quantization."""
+    from ..checkpoints import DEFAULT_TARGET
+    from ..drafter import load_drafter, save_drafter
+    from ..estimate import WHOLE_TARGET, whole_target_drafter
+    from ..quantize import apply_quantize
+
+    if path == WHOLE_TARGET:
+        drafter = whole_target_drafter(model, tok, target or DEFAULT_TARGET)
+        if save:
+            save_drafter(drafter, Path(save))
+    else:
+        drafter = load_drafter(path, model, tok)
+    return apply_quantize(drafter, quantize, tok, batch_invariant=False)
+
+
+def _estimate_row(drafter, path: str) -> dict:
+    from ..drafter import weights_fingerprint
+    from ..estimate import WHOLE_TARGET
+
+    training = drafter.cfg.training or {}
+    return {"path": path, "weights": None if path == WHOLE_TARGET else weights_fingerprint(path),
+            "layers": len(drafter.layers), "training": training.get("command"),
+            "heldout_teacher_forced": training.get("heldout_after")}
+
+
+def _merged(out: Path, header: dict) -> dict:
+    """The report at `out` to add drafters to (a fresh one if absent); one made with other settings is refused."""
+    if not out.exists():
+        return {**header, "drafters": {}}
+    old = json.loads(out.read_text())
+    keys = ("benchmarks", "limit", "max_new_tokens", "target")
+    if any(old.get(k) != header[k] for k in keys):
+        raise D3DError(f"{out} holds estimates with other settings ({', '.join(keys)}); choose another --out")
+    return {**old, **header, "drafters": old.get("drafters", {})}
+
+
+def cmd_estimate(args: argparse.Namespace) -> None:
+    from ..bench import machine_info
+    from ..data import atomic_write_json
+    from ..estimate import WHOLE_TARGET, benchmark_continuations, estimate_tau
+    from ..prompts import canonical_benchmark
+
+    named = named_paths(args.drafters, "--drafters", special=(WHOLE_TARGET,))
+    benchmarks = list(dict.fromkeys(canonical_benchmark(b.strip()) for b in args.benchmarks.split(",") if b.strip()))
+    if not benchmarks:
+        raise D3DError("no benchmark given")
+    if args.limit <= 0 or args.max_new_tokens <= 0:
+        raise D3DError("--limit and --max-new-tokens must be > 0")
+    if args.save and WHOLE_TARGET not in named.values():
+        raise D3DError(f"--save writes the {WHOLE_TARGET} drafter: name one in --drafters")
+    out = Path(args.out)
+    report = _merged(out, {"command": "d3d " + shlex.join(args.argv), "machine": machine_info("cpu"),
+                           "what": "replayed greedy d3d tau against the target's cached continuations",
+                           "benchmarks": benchmarks, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
+                           "target": args.target})
+    model, tok, _ = open_target(args.target)
+    conts = benchmark_continuations(model, tok, benchmarks, args.limit, args.max_new_tokens, Path(args.cache))
+    for name, path in named.items():
+        drafter = _estimate_drafter(model, tok, args.target, path, args.quantize_drafter, args.save)
+        row = {**_estimate_row(drafter, path), "quantize": args.quantize_drafter,
+               **estimate_tau(drafter, conts, args.max_new_tokens)}
+        report["drafters"][name] = row
+        print(f"{name}: tau {row['tau']} (mean over benchmarks {row['mean']}; "
+              + ", ".join(f"{b} {t}" for b, t in row["per_benchmark"].items()) + ")", flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out, report)
+    print(f"wrote {out}")
+
+
+def cmd_loadtest(args: argparse.Namespace) -> None:
+    from ..server.loadtest import LoadTest, run_load_test
+
+    if args.clients < 1 or args.duration <= 0 or args.max_tokens < 1:
+        raise D3DError("--clients and --max-tokens must be >= 1 and --duration > 0")
+    cfg = LoadTest(url=args.url, api_key=args.api_key, clients=args.clients, duration=args.duration,
+                   max_tokens=args.max_tokens, method=args.method, target=args.target, threads=args.threads or 1,
+                   max_queue=args.max_queue, seed=args.seed)
+    out = {"command": "d3d " + shlex.join(args.argv), **run_load_test(cfg)}
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    if out["server_5xx"] or not out["greedy_all_equal_ar"]:
+        raise D3DError(f"load test failed: {out['server_5xx']} server errors (5xx), greedy answers "
+                       f"{'all' if out['greedy_all_equal_ar'] else 'not all'} equal to plain decoding's")
