@@ -250,3 +250,41 @@ def test_batched_generation_equals_plain_decoding(smol, sequences):
     assert batched == [generate(model, tok, s, max_new_tokens=16).token_ids for s in sequences]
     sampled = [generate_batch(model, sequences, 8, eos, 0.8, torch.Generator().manual_seed(3)) for _ in range(2)]
     assert sampled[0] == sampled[1] and all(len(r) == 8 or r[-1] in eos for r in sampled[0])
+
+
+def greedy_steps(model, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Prefill `prompt` into model's (empty) cache, then n one-token greedy steps; (tokens, each step's logits)."""
+    token = int(run(model, prompt, last_only=True)[-1].argmax())
+    tokens, logits = [token], []
+    for _ in range(n):
+        logits.append(run(model, [token], last_only=True)[-1])
+        token = int(logits[-1].argmax())
+        tokens.append(token)
+    return tokens, logits
+
+
+def test_compiled_decoding_equals_eager(smol, sequences):
+    """compile_decode: the compiled one-token step gives eager's greedy tokens and logits (to fp32 summation
+    order), at every position, also after the cache is reallocated larger; other shapes stay eager."""
+    from d3d.errors import D3DError
+    from d3d.target import compile_decode, load_runtime
+
+    compiled = compile_decode(load_runtime(smol[2]))
+    assert compiled.compiled_step is not None
+    calls = []
+    step = compiled.compiled_step
+    compiled.compiled_step = lambda *a: calls.append(a[-1]) or step(*a)
+    for size, prompt in zip([1024, 2048, 2048], sequences):
+        smol[0].setup_cache(1, size)
+        compiled.setup_cache(1, size)
+        want, want_logits = greedy_steps(smol[0], prompt, 12)
+        got, got_logits = greedy_steps(compiled, prompt, 12)
+        assert got == want
+        assert max(float((a - b).abs().max()) for a, b in zip(want_logits, got_logits)) < TOL_HF
+    assert calls == [len(p) + i for p in sequences for i in range(12)]  # every step ran compiled
+    compiled.setup_cache(2, 64)  # a new cache: the compiled graph is bound to the old one, so eager again
+    compiled(torch.tensor([sequences[0][:8]]))
+    compiled(torch.tensor([[sequences[0][8]]]))
+    assert len(calls) == 36
+    with pytest.raises(D3DError, match="--compile"):
+        compile_decode(torch.nn.Linear(2, 2))

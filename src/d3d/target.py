@@ -6,6 +6,7 @@ logical length is a single integer, so rolling back after a rejected draft is O(
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -206,6 +207,8 @@ class Transformer(nn.Module):
         self.cache_len = 0
         self.max_batch = 0
         self.cache_size = 0
+        self.compiled_step = None  # set by compile_decode, with the KV cache it is bound to
+        self.compiled_cache: torch.Tensor | None = None
 
     def setup_cache(self, max_batch: int = 1, max_len: int | None = None) -> None:
         a = self.args
@@ -275,10 +278,90 @@ class Transformer(nn.Module):
                 last_only: bool = False, hidden_layers: list[int] | None = None, logits_to_keep: int = 0):
         """tokens [B, T] -> logits [B, T, V] for the new tokens (only the last `logits_to_keep` if > 0, or
         the last one with last_only); with hidden_layers also the hidden states after those layers."""
+        if self.compiled_step is not None and tokens.shape == (1, 1) and mask is None and positions is None \
+                and hidden_layers is None and self.layers[0].attention.k_cache is self.compiled_cache \
+                and COMPILED_MIN_START <= self.cache_len < self.cache_size:
+            return self._compiled_decode(tokens)
         x, taps = self.hidden(tokens, mask, positions, hidden_layers)
         keep = 1 if last_only else logits_to_keep
         logits = self.head(x[:, -keep:] if keep else x)
         return (logits, taps) if hidden_layers is not None else logits
+
+    def decode_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int) -> torch.Tensor:
+        """One token's embedding x [1, 1, dim] at position `start` -> logits [1, 1, V]; what compile_decode compiles."""
+        for layer in self.layers:
+            x = layer(x, cos, sin, None, start)
+        return self.head(x)
+
+    def _compiled_decode(self, tokens: torch.Tensor, skip_guards: bool = True) -> torch.Tensor:
+        start = self.cache_len
+        cos, sin = self.rope(torch.arange(start, start + 1, device=tokens.device))
+        with torch.no_grad(), torch.compiler.set_stance(skip_guard_eval_unsafe=skip_guards):  # inference only
+            logits = self.compiled_step(self.embed(tokens), cos, sin, start)
+        self.cache_len = start + 1
+        return logits
+
+
+COMPILED_MIN_START = 2  # dynamo specialises the integers 0 and 1: a step at those positions runs eagerly
+
+
+def compile_decode(model: Transformer) -> Transformer:
+    """Compile `model`'s one-token decoding step with torch.compile (inductor, C++ wrapper, weights frozen
+    as constants); every one-token, one-sequence forward then runs it, everything else stays eager.
+    Returns `model`, compiled and warmed up (tens of seconds on a small CPU; inductor caches on disk).
+
+    Why: on a CPU, eager decoding spends a quarter of each step on hundreds of small ops between the
+    matrix products; inductor fuses them into a few C++ loops. The KV cache length is a symbolic
+    integer, so one compiled graph serves every position (>= COMPILED_MIN_START); guards are skipped
+    at call time because that graph is the only entry. The graph is bound to the KV cache it was
+    compiled with, so that cache is allocated here for the model's whole context and kept by later
+    setup_cache calls (one that replaces it turns the compiled step off). The weights are baked in:
+    compile after any change to them (quantization, pruning), never before. fp32 CPU only."""
+    p = next(model.parameters())
+    if not isinstance(model, Transformer) or getattr(model, "quantized", None) or p.device.type != "cpu" \
+            or p.dtype != torch.float32:
+        raise D3DError("--compile supports the native fp32 CPU runtime only (not --quantize, another device or "
+                       "the transformers fallback)")
+    if not hasattr(torch.compiler, "set_stance"):
+        raise D3DError(f"--compile needs torch >= 2.6 (this is {torch.__version__})")
+    model.setup_cache(1, model.args.max_seq_len)
+    model.compiled_cache = model.layers[0].attention.k_cache
+    model.compiled_step = torch.compile(model.decode_step, dynamic=True)
+    saved, model.cache_len = model.cache_len, max(model.cache_len, COMPILED_MIN_START)
+    try:
+        from torch._inductor import config as inductor_config
+
+        with torch.no_grad(), _mkldnn_linear_packing(), inductor_config.patch(freezing=True, cpp_wrapper=True):
+            model._compiled_decode(torch.zeros(1, 1, dtype=torch.long, device=p.device), skip_guards=False)
+    except Exception as e:  # inductor needs a working C++ compiler; say so in one line
+        model.compiled_step = None
+        raise D3DError(f"--compile failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                       f"run without it") from e
+    finally:
+        model.cache_len = saved
+    return model
+
+
+@contextmanager
+def _mkldnn_linear_packing():
+    """While inductor compiles: prepack fp32 linear weights for oneDNN in the layout PackedLinear uses.
+
+    For a static batch size (one token) inductor prepacks them for MKL instead, which measured 27 ms
+    for all of SmolLM2's linears at 1 thread against oneDNN's 19 ms (see PackedLinear); it picks oneDNN
+    when the batch size is symbolic, packed for a hint size. So, during compilation only, the batch
+    size reads as symbolic and the hint as PACK_ROWS. A no-op where this pass does not exist."""
+    try:
+        from torch._inductor.fx_passes import mkldnn_fusion as fusion
+        saved = fusion.has_free_symbols, fusion.optimization_hint
+    except (ImportError, AttributeError):
+        yield
+        return
+    fusion.has_free_symbols = lambda x: isinstance(x, int) or saved[0](x)
+    fusion.optimization_hint = lambda x, *a, **k: PACK_ROWS
+    try:
+        yield
+    finally:
+        fusion.has_free_symbols, fusion.optimization_hint = saved
 
 
 def _hf_to_runtime(sd: dict[str, torch.Tensor], a: ModelArgs) -> dict[str, torch.Tensor]:
@@ -334,7 +417,7 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if w.device.type != "cpu" or w.dtype != torch.float32 or (
+        if w.device.type != "cpu" or w.dtype != torch.float32 or torch.compiler.is_compiling() or (
                 torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)):
             return F.linear(x, w, self.bias)
         key = (w.data_ptr(), w._version)
@@ -400,9 +483,10 @@ class HFRuntime(nn.Module):
 
 
 def load_target(target: str | None = None, device: str = "cpu", max_seq_len: int | None = None,
-                quantize: str | None = None):
+                quantize: str | None = None, compile: bool = False):
     """(runtime, tokenizer, model_dir) for `--target` (None = the embedded default); `quantize`: None
-    (fp32) or "int8" (see d3d.quantize; drafters loaded for this target follow it)."""
+    (fp32) or "int8" (see d3d.quantize; drafters loaded for this target follow it); `compile`: compile
+    its one-token decoding step (compile_decode; fp32 CPU only)."""
     from .quantize import apply_quantize
 
     model_dir = resolve_target(target)
@@ -412,7 +496,8 @@ def load_target(target: str | None = None, device: str = "cpu", max_seq_len: int
     model = load_runtime(model_dir, device, max_seq_len) if cfg.get("model_type") in LLAMA_FAMILY \
         else HFRuntime(model_dir, device)
     tokenizer = load_tokenizer(model_dir)
-    return apply_quantize(model, quantize, tokenizer), tokenizer, model_dir
+    model = apply_quantize(model, quantize, tokenizer)
+    return compile_decode(model) if compile else model, tokenizer, model_dir
 
 
 def encode_prompt(tokenizer, prompt: str, raw: bool = False) -> list[int]:
