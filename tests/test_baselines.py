@@ -8,7 +8,8 @@ from test_lossless import EOS, MAX_NEW_TINY, PROMPT, TEMP, spec_draw, tiny_model
 from d3d.ardraft import ARDraftProposer
 from d3d.batches import TrainConfig
 from d3d.dflash import DFlashDrafter, DFlashProposer, default_target_layers
-from d3d.drafter import drafter_from_target, load_drafter, save_drafter
+from d3d.drafter import drafter_from_target
+from d3d.drafter_files import load_drafter, save_drafter
 from d3d.engine import generate
 from d3d.hf import HFRunner, load_hf_model
 from d3d.losses import evaluate

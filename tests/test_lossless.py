@@ -262,8 +262,8 @@ CASES = [("ngram", TRUNCATED), ("d3d", TEMP), ("d3d", TRUNCATED), ("d3d-tree", T
 def method_runner(method: str, target, drafter):
     """params -> result of `method` on PROMPT_ALL (d3d-async without overlap: the same computation)."""
     from d3d.async_engine import generate_async
-    from d3d.drafter import D3DProposer
     from d3d.ngram import NgramProposer
+    from d3d.proposer import D3DProposer
     from d3d.tree import TreeProposer, generate_tree
     from d3d.treecost import WidthCost
 

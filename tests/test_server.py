@@ -174,9 +174,10 @@ def _tiny_runs():
     import torch
 
     from d3d.async_engine import generate_async
-    from d3d.drafter import D3DProposer, drafter_from_target
+    from d3d.drafter import drafter_from_target
     from d3d.engine import generate
     from d3d.ngram import NgramProposer
+    from d3d.proposer import D3DProposer
     from d3d.target import ModelArgs, Transformer
 
     class Tok:

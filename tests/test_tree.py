@@ -10,9 +10,9 @@ import torch
 
 import d3d.tokentree
 import d3d.tree
-from d3d.drafter import D3DProposer
 from d3d.engine import LogprobRecorder, generate
 from d3d.methods import make_runner
+from d3d.proposer import D3DProposer
 from d3d.tokentree import Candidate, TokenTree, TreeDraft, compact_cache, tree_logits, tree_mask, tree_positions
 from d3d.tree import TreeProposer, generate_tree, ngram_continuations
 from d3d.treecost import WidthCost, choose_budget

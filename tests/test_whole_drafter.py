@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from d3d.batches import TrainConfig, make_batch, vocab_map_for
-from d3d.drafter import D3DProposer, drafter_from_target, load_drafter, save_drafter, weight_files
+from d3d.drafter import drafter_from_target
+from d3d.drafter_files import load_drafter, save_drafter, weight_files
 from d3d.engine import generate
 from d3d.packed import keep_prefix, packed_draft
+from d3d.proposer import D3DProposer
 from d3d.target import Transformer
 from d3d.train import train_drafter
 

@@ -13,8 +13,9 @@ from functools import partial
 
 import torch
 
-from .drafter import Drafter, draft_generator, sample_draft
+from .drafter import Drafter
 from .engine import generate
+from .proposer import draft_generator, sample_draft
 from .registry import Method, Runner, Setup, register
 from .verify import SamplingParams
 

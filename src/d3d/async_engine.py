@@ -24,11 +24,12 @@ from pathlib import Path
 
 import torch
 
-from .drafter import Drafter, draft_generator, sample_draft
+from .drafter import Drafter
 from .engine import (GenerationResult, LogprobRecorder, StopChecker, commit_first, commit_round, sync_device,
                      validate_request)
 from .errors import D3DError
 from .packed import keep_prefix, likely_candidates, packed_draft, prefill
+from .proposer import draft_generator, sample_draft
 from .registry import Method, Runner, Setup, register
 from .verify import SamplingParams, make_generator, next_token, verify
 

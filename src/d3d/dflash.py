@@ -18,8 +18,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .drafter import Drafter, DrafterConfig, draft_generator, sample_draft
+from .drafter import Drafter, DrafterConfig
 from .engine import generate
+from .proposer import draft_generator, sample_draft
 from .registry import Method, Setup, register
 from .target import Block, RMSNorm
 from .verify import SamplingParams

@@ -7,7 +7,7 @@ from pathlib import Path
 from .errors import D3DError
 from .registry import DEFAULT_DRAFTERS, REGISTRY, Runner, Setup, default_drafter, get  # noqa: F401 (re-exported)
 
-for _module in ("engine", "ngram", "drafter", "async_engine", "tree", "ardraft", "dflash", "hf", "llamacpp"):
+for _module in ("engine", "ngram", "proposer", "async_engine", "tree", "ardraft", "dflash", "hf", "llamacpp"):
     importlib.import_module(f".{_module}", __package__)  # each registers its method(s) on import
 
 BEST_METHOD = "ngram"  # what `d3d demo` and `d3d serve` use by default

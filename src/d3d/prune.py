@@ -21,11 +21,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from .batches import TrainConfig
 from .data import atomic_write_json
-from .drafter import WEIGHTS_NAME, Drafter, bypassed, drafter_class, save_drafter
+from .drafter import Drafter, bypassed, drafter_class
+from .drafter_files import WEIGHTS_NAME, save_drafter
 from .estimate import mean_tau
 from .packed import keep_prefix, packed_draft
-from .batches import TrainConfig
 
 Calibration = dict[str, tuple[list[list[int]], list[list[int]]]]  # set name -> (prompt ids, continuations)
 

@@ -47,7 +47,7 @@ class Setup:
 
     def drafter(self, kind: str, method: str, device: str | None = None):
         """The drafter checkpoint loaded for this target, checked to be of `kind`."""
-        from .drafter import load_drafter
+        from .drafter_files import load_drafter
 
         d = load_drafter(self.drafter_path, self.model, self.tokenizer, device=device or self.device)
         if d.cfg.kind != kind:

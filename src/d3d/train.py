@@ -146,8 +146,8 @@ def init_model_drafter(target, tokenizer, target_name: str, target_dir: Path, in
     HF folder or a .gguf with the target's tokenizer), keeping `layers` of it (None: all). Made from the
     target's own weights, the frozen layers below `freeze_below` are recorded as shared with the target
     (cfg.from_target), so the checkpoint stores only what training changes (a delta checkpoint)."""
-    from .drafter import drafter_from_model, tokenizer_fingerprint
     from .checkpoints import resolve_target
+    from .drafter import drafter_from_model, tokenizer_fingerprint
     from .target import load_target
 
     model_dir = target_dir if init_model == INIT_TARGET else resolve_target(init_model)
@@ -177,9 +177,10 @@ def train_drafter(target: str | None, data: Path, out: Path, run_dir: Path, laye
     kind "ar" trains a causal drafter (next-token loss only); "dflash" one conditioned on the target's
     hidden states after `target_layers` (the target stays loaded, frozen, to produce them).
     init_model: convert a whole pretrained causal LM (see init_model_drafter; layers None = all of it)."""
-    from .data import load_dataset
-    from .drafter import drafter_from_target, load_drafter, save_drafter
     from .checkpoints import DEFAULT_TARGET
+    from .data import load_dataset
+    from .drafter import drafter_from_target
+    from .drafter_files import load_drafter, save_drafter
     from .target import load_target
 
     model, tok, model_dir = load_target(target)

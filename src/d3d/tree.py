@@ -19,9 +19,9 @@ from functools import partial
 
 import torch
 
-from .drafter import D3DProposer, sample_draft
 from .engine import GenerationResult, LogprobRecorder, StopChecker, commit_round, finish, prefill, validate_request
 from .errors import D3DError
+from .proposer import D3DProposer, sample_draft
 from .registry import Method, Runner, Setup, register
 from .tokentree import TokenTree, TreeDraft, compact_cache, tree_logits, verify_tree
 from .treecost import WidthCost, choose_budget, drafter_cost, width_cost_curve

@@ -6,9 +6,9 @@ import time
 
 import torch
 
-from .drafter import D3DProposer
 from .engine import sync_device
 from .errors import D3DError
+from .proposer import D3DProposer
 
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 

@@ -10,8 +10,8 @@ from .checks import check_drafter, check_max_shards, int_list, open_target
 
 
 def cmd_data(args: argparse.Namespace) -> None:
-    from ..data import build_dataset
     from ..checkpoints import DEFAULT_TARGET
+    from ..data import build_dataset
     from ..target import load_target
 
     model, tok, model_dir = load_target(args.target)
@@ -33,8 +33,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     if not (Path(args.data) / "manifest.json").exists():
         raise D3DError(f"no dataset at {args.data} (build one with `d3d data --out {args.data}`)")
     check_max_shards(args.max_shards)
-    from ..dflash import default_target_layers
     from ..checkpoints import read_hf_config, resolve_target
+    from ..dflash import default_target_layers
 
     if args.init:
         check_drafter(args.init)
@@ -78,7 +78,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 def cmd_prune(args: argparse.Namespace) -> None:
     from ..data import atomic_write_json, load_dataset
-    from ..drafter import load_drafter, save_drafter
+    from ..drafter_files import load_drafter, save_drafter
     from ..methods import default_drafter
     from ..plots import plot_pruning
     from ..prompts import CALIBRATION_SETS

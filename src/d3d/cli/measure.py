@@ -15,7 +15,7 @@ def _estimate_drafter(model, tok, target: str | None, path: str, quantize: str |
     """The drafter a --drafters path names (WHOLE_TARGET: the untrained whole-target drafter, written to
     --save if given), with its quantization."""
     from ..checkpoints import DEFAULT_TARGET
-    from ..drafter import load_drafter, save_drafter
+    from ..drafter_files import load_drafter, save_drafter
     from ..estimate import WHOLE_TARGET, whole_target_drafter
     from ..quantize import apply_quantize
 
@@ -29,7 +29,7 @@ def _estimate_drafter(model, tok, target: str | None, path: str, quantize: str |
 
 
 def _estimate_row(drafter, path: str) -> dict:
-    from ..drafter import weights_fingerprint
+    from ..drafter_files import weights_fingerprint
     from ..estimate import WHOLE_TARGET
 
     training = drafter.cfg.training or {}

@@ -93,7 +93,7 @@ def _bench_runs(methods: list[str], named: dict[str, str], args: argparse.Namesp
 def cmd_bench(args: argparse.Namespace) -> None:
     from ..bench import format_table, machine_info, run_bench
     from ..data import atomic_write_json
-    from ..drafter import weights_fingerprint
+    from ..drafter_files import weights_fingerprint
     from ..methods import make_runner, parse_methods
 
     methods = parse_methods(args.methods)

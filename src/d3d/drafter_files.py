@@ -1,0 +1,145 @@
+"""Drafter checkpoints: a folder with drafter.json (the DrafterConfig) and drafter.safetensors (or shards),
+fp16, holding only what the target cannot supply: the embedding and LM head rows and the stack layers
+shared with the target (cfg.from_target, a delta checkpoint) are taken from the target at load time.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from .drafter import Drafter, DrafterConfig, drafter_class, tokenizer_fingerprint
+from .errors import D3DError
+from .quantize import apply_quantize
+from .target import Transformer, pack_linears, rope_frequencies
+
+CONFIG_NAME = "drafter.json"
+WEIGHTS_NAME = "drafter.safetensors"
+
+
+def weights_fingerprint(drafter_dir: str | Path) -> str:
+    """First 16 hex digits of the sha256 of a drafter's weights (its weight files in order): which
+    checkpoint a result came from."""
+    h = hashlib.sha256()
+    for f in weight_files(drafter_dir):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _layer_prefixes(indices: list[int]) -> tuple[str, ...]:
+    return tuple(f"layers.{i}." for i in indices)
+
+
+def _trainable_state(d: Drafter) -> dict[str, torch.Tensor]:
+    """What a checkpoint stores: everything but what is rebuilt from the target at load time: the
+    embedding and the LM head rows (unless cfg.own_embeddings) and the stack layers in cfg.from_target
+    (a delta checkpoint: a drafter made from the whole target stores only what training changed)."""
+    borrowed = () if d.cfg.own_embeddings else ("tok_embeddings.weight", "output.weight")
+    shared = _layer_prefixes(d.cfg.from_target)
+    return {k: v for k, v in d.state_dict().items() if k not in borrowed and not k.startswith(shared)}
+
+
+def weight_files(folder: str | Path) -> list[Path]:
+    """A drafter's weight files: drafter.safetensors, or its shards drafter-00001-of-0000N.safetensors."""
+    folder = Path(folder)
+    if (folder / WEIGHTS_NAME).exists():
+        return [folder / WEIGHTS_NAME]
+    return sorted(folder.glob("drafter-*-of-*.safetensors"))
+
+
+def _shards(state: dict[str, torch.Tensor], max_bytes: int | None) -> list[dict[str, torch.Tensor]]:
+    """Split a state dict into consecutive groups of files of at most max_bytes each (counting each
+    tensor's safetensors header entry too); a tensor that cannot fit a file alone is an error."""
+    if max_bytes is None:
+        return [state]
+    out, size = [{}], 8
+    for k, v in state.items():
+        n = v.numel() * v.element_size() + len(k) + 128
+        if n + 8 > max_bytes:
+            raise D3DError(f"{k} ({n / 2**20:.1f} MB) does not fit in a weight file of {max_bytes / 2**20:.1f} MB")
+        if out[-1] and size + n > max_bytes:
+            out.append({})
+            size = 8
+        out[-1][k] = v
+        size += n
+    return out
+
+
+def save_drafter(d: Drafter, folder: Path, dtype: torch.dtype = torch.float16,
+                 max_file_mb: float | None = None) -> None:
+    """Write drafter.safetensors + drafter.json into `folder` atomically (via a sibling temp folder).
+    max_file_mb: split the weights into files of at most that size (drafter-00001-of-0000N.safetensors)."""
+    import os
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=folder.name + ".tmp"))
+    state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in _trainable_state(d).items()}
+    shards = _shards(state, None if max_file_mb is None else int(max_file_mb * 2**20))
+    for i, part in enumerate(shards):
+        name = WEIGHTS_NAME if len(shards) == 1 else f"drafter-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(part, tmp / name)
+    (tmp / CONFIG_NAME).write_text(json.dumps(asdict(d.cfg), indent=1) + "\n")
+    if folder.exists():
+        old = folder.with_name(folder.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(folder, old)
+        os.replace(tmp, folder)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, folder)
+
+
+def _share_target_layers(d: Drafter, target: Transformer) -> dict[str, torch.Tensor]:
+    """Give the stack layers in cfg.from_target the target's own modules (weights shared, no copy; an
+    int8 target's packed layers too); each layer keeps its own attention module and so its own KV cache.
+    Returns their state entries, so the rest of the state can be loaded strictly."""
+    for i in d.cfg.from_target:
+        if not 0 <= i < len(d.layers) or not 0 <= d.cfg.init_layers[i] < len(target.layers):
+            raise D3DError(f"delta drafter: stack layer {i} has no target layer to come from")
+        mine, src = d.layers[i], target.layers[d.cfg.init_layers[i]]
+        for name in ("wqkv", "wo", "q_norm", "k_norm"):
+            setattr(mine.attention, name, getattr(src.attention, name))
+        mine.feed_forward = src.feed_forward
+        mine.attention_norm, mine.ffn_norm = src.attention_norm, src.ffn_norm
+    return {k: v for k, v in d.state_dict().items() if k.startswith(_layer_prefixes(d.cfg.from_target))}
+
+
+def load_drafter(folder: str | Path, target: Transformer, tokenizer, device: str = "cpu") -> Drafter:
+    """Load a drafter for `target`; a drafter trained for another tokenizer/target is a clear error.
+    What the checkpoint does not store (embedding, head rows, cfg.from_target layers) comes from `target`."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    if not (folder / CONFIG_NAME).exists():
+        raise D3DError(f"not a drafter: {folder} (no {CONFIG_NAME})")
+    cfg = DrafterConfig(**json.loads((folder / CONFIG_NAME).read_text()))
+    t = cfg.target
+    if t.get("tokenizer") != tokenizer_fingerprint(tokenizer) or t.get("vocab_size") != target.args.vocab_size \
+            or t.get("dim") != target.args.dim:
+        raise D3DError(f"drafter {folder} was trained for target {t.get('name')!r} (vocab {t.get('vocab_size')}, "
+                       f"dim {t.get('dim')}), not for this target (vocab {target.args.vocab_size}, "
+                       f"dim {target.args.dim}, or a different tokenizer)")
+    files = weight_files(folder)
+    if not files:
+        raise D3DError(f"not a drafter: {folder} has no {WEIGHTS_NAME}")
+    with torch.device("meta"):
+        d = drafter_class(cfg.kind)(cfg)
+    state = {}
+    for f in files:
+        state |= {k: v.float() if v.is_floating_point() else v for k, v in load_file(f).items()}
+    if not cfg.own_embeddings:
+        state["tok_embeddings.weight"] = target.tok_embeddings.weight
+        state["output.weight"] = target.output.weight[state["draft_ids"]]
+    state |= _share_target_layers(d, target)
+    d.load_state_dict(state, strict=True, assign=True)
+    d.inv_freq = rope_frequencies(cfg.model_args)
+    d = pack_linears(d.to(device).eval().requires_grad_(False))
+    return apply_quantize(d, getattr(target, "quantized", None), tokenizer, batch_invariant=False)  # drafts need no invariance
