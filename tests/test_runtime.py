@@ -265,26 +265,45 @@ def greedy_steps(model, prompt: list[int], n: int) -> tuple[list[int], list[torc
 
 def test_compiled_decoding_equals_eager(smol, sequences):
     """compile_decode: the compiled one-token step gives eager's greedy tokens and logits (to fp32 summation
-    order), at every position, also after the cache is reallocated larger; other shapes stay eager."""
+    order) at every position, also after the cache is asked to grow; the compiled multi-token graph gives
+    eager's logits for a causal chunk and a token tree; batches and a replaced cache stay eager."""
     from d3d.errors import D3DError
     from d3d.target import compile_decode, load_runtime
+    from d3d.tokentree import tree_mask, tree_positions
 
-    compiled = compile_decode(load_runtime(smol[2]))
-    assert compiled.compiled_step is not None
+    def first_layers(n: int = 4):  # the real weights, fewer layers: compiling 30 takes twice as long
+        model = load_runtime(smol[2])
+        model.layers = model.layers[:n]
+        return model
+
+    eager, compiled = first_layers(), compile_decode(first_layers())
     calls = []
-    step = compiled.compiled_step
-    compiled.compiled_step = lambda *a: calls.append(a[-1]) or step(*a)
+    step, layers = compiled.compiled_step, compiled.compiled_layers
+    compiled.compiled_step = lambda *a: calls.append(("step", a[-1])) or step(*a)
+    compiled.compiled_layers = lambda *a: calls.append(("layers", a[-1])) or layers(*a)
     for size, prompt in zip([1024, 2048, 2048], sequences):
-        smol[0].setup_cache(1, size)
+        eager.setup_cache(1, size)
         compiled.setup_cache(1, size)
-        want, want_logits = greedy_steps(smol[0], prompt, 12)
+        want, want_logits = greedy_steps(eager, prompt, 12)
         got, got_logits = greedy_steps(compiled, prompt, 12)
         assert got == want
         assert max(float((a - b).abs().max()) for a, b in zip(want_logits, got_logits)) < TOL_HF
-    assert calls == [len(p) + i for p in sequences for i in range(12)]  # every step ran compiled
-    compiled.setup_cache(2, 64)  # a new cache: the compiled graph is bound to the old one, so eager again
+    assert calls == [("step", len(p) + i) for p in sequences for i in range(12)]  # every step ran compiled
+
+    prompt, chunk = sequences[0][:-6], sequences[0][-6:]
+    parents, depths = [-1, 0, 1, 0, 3, 1], [0, 1, 2, 1, 2, 2]
+    for kw in ({}, {"mask": tree_mask(parents, len(prompt)), "positions": tree_positions(depths, len(prompt))}):
+        out = []
+        for model in (eager, compiled):
+            model.setup_cache(1, 1024)
+            run(model, prompt)
+            out.append(run(model, chunk, **kw))
+        assert float((out[0] - out[1]).abs().max()) < TOL_HF
+    assert calls[-2:] == [("layers", len(prompt))] * 2
+
+    compiled.setup_cache(2, 64)  # a new cache: the compiled graphs are bound to the old one, so eager again
     compiled(torch.tensor([sequences[0][:8]]))
     compiled(torch.tensor([[sequences[0][8]]]))
-    assert len(calls) == 36
+    assert len(calls) == 38
     with pytest.raises(D3DError, match="--compile"):
         compile_decode(torch.nn.Linear(2, 2))

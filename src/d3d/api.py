@@ -127,13 +127,14 @@ class Generator:
 
 def load(target: str | None = None, method: str = BEST_METHOD, drafter: str | None = None,
          threads: int | None = None, device: str = "cpu", block_size: int = 16,
-         quantize: str | None = None) -> Generator:
+         quantize: str | None = None, compile: bool = False) -> Generator:
     """Load a target and a decoding method; returns a Generator (see Generator.generate).
 
     target: a Hugging Face model folder or .gguf file (None = the embedded SmolLM2-135M-Instruct);
     method: a registered method name (d3d.registry; default: BEST_METHOD); drafter: checkpoint for drafter-based
     methods (None = the one shipped for the target); threads: torch CPU threads (None = leave torch's
-    setting alone; it is process-wide); quantize: None (fp32) or "int8" (target and drafter)."""
+    setting alone; it is process-wide); quantize: None (fp32) or "int8" (target and drafter);
+    compile: compile the target's one-token decoding step (target.compile_decode; fp32 CPU)."""
     methods = parse_methods(method)
     if len(methods) != 1:
         raise D3DError("load takes exactly one method")
@@ -143,6 +144,6 @@ def load(target: str | None = None, method: str = BEST_METHOD, drafter: str | No
         torch.set_num_threads(threads)
     if drafter is not None and not Path(drafter).expanduser().exists():
         raise D3DError(f"drafter path does not exist: {drafter}")
-    model, tok, model_dir = load_target(target, device, quantize=quantize)
+    model, tok, model_dir = load_target(target, device, quantize=quantize, compile=compile)
     runner = make_runner(methods[0], model, tok, model_dir, drafter=drafter, block_size=block_size)
     return Generator(model, tok, model_dir, methods[0], runner, runner.settings["block_size"])

@@ -207,8 +207,10 @@ class Transformer(nn.Module):
         self.cache_len = 0
         self.max_batch = 0
         self.cache_size = 0
-        self.compiled_step = None  # set by compile_decode, with the KV cache it is bound to
+        self.compiled_step = None  # set by compile_decode, with the KV cache they are bound to
+        self.compiled_layers = None
         self.compiled_cache: torch.Tensor | None = None
+        self.compiled_warm = False  # guards are checked until each graph has been compiled once
 
     def setup_cache(self, max_batch: int = 1, max_len: int | None = None) -> None:
         a = self.args
@@ -266,10 +268,15 @@ class Transformer(nn.Module):
             mask = row_keys(mask, T, start + T)
         x = self.embed(tokens)
         taps = []
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, start)
-            if hidden_layers is not None and i in hidden_layers:
-                taps.append(x)
+        if self._compiled_for(tokens) and T > 1 and hidden_layers is None and cos.dim() == 2 \
+                and isinstance(mask, torch.Tensor):
+            with torch.no_grad(), torch.compiler.set_stance(skip_guard_eval_unsafe=self.compiled_warm):
+                x = self.compiled_layers(x, cos, sin, mask.reshape(1, 1, T, start + T), start)
+        else:
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cos, sin, mask, start)
+                if hidden_layers is not None and i in hidden_layers:
+                    taps.append(x)
         if cached:
             self.cache_len = start + T
         return x, taps
@@ -278,9 +285,8 @@ class Transformer(nn.Module):
                 last_only: bool = False, hidden_layers: list[int] | None = None, logits_to_keep: int = 0):
         """tokens [B, T] -> logits [B, T, V] for the new tokens (only the last `logits_to_keep` if > 0, or
         the last one with last_only); with hidden_layers also the hidden states after those layers."""
-        if self.compiled_step is not None and tokens.shape == (1, 1) and mask is None and positions is None \
-                and hidden_layers is None and self.layers[0].attention.k_cache is self.compiled_cache \
-                and COMPILED_MIN_START <= self.cache_len < self.cache_size:
+        if self._compiled_for(tokens) and tokens.shape[1] == 1 and mask is None and positions is None \
+                and hidden_layers is None and self.cache_len < self.cache_size:
             return self._compiled_decode(tokens)
         x, taps = self.hidden(tokens, mask, positions, hidden_layers)
         keep = 1 if last_only else logits_to_keep
@@ -288,15 +294,26 @@ class Transformer(nn.Module):
         return (logits, taps) if hidden_layers is not None else logits
 
     def decode_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int) -> torch.Tensor:
-        """One token's embedding x [1, 1, dim] at position `start` -> logits [1, 1, V]; what compile_decode compiles."""
-        for layer in self.layers:
-            x = layer(x, cos, sin, None, start)
-        return self.head(x)
+        """One token's embedding x [1, 1, dim] at position `start` -> logits [1, 1, V] (compile_decode compiles it)."""
+        return self.head(self.run_layers(x, cos, sin, None, start))
 
-    def _compiled_decode(self, tokens: torch.Tensor, skip_guards: bool = True) -> torch.Tensor:
+    def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                   start: int) -> torch.Tensor:
+        """The layers over x [B, T, dim] after `start` cached tokens (compile_decode compiles it for T > 1)."""
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask, start)
+        return x
+
+    def _compiled_for(self, tokens: torch.Tensor) -> bool:
+        """Whether the compiled graphs may run this forward: one sequence, on the cache they are bound to,
+        at a position dynamo did not specialise."""
+        return self.compiled_step is not None and tokens.shape[0] == 1 and self.cache_len >= COMPILED_MIN_START \
+            and self.layers[0].attention.k_cache is self.compiled_cache
+
+    def _compiled_decode(self, tokens: torch.Tensor) -> torch.Tensor:
         start = self.cache_len
         cos, sin = self.rope(torch.arange(start, start + 1, device=tokens.device))
-        with torch.no_grad(), torch.compiler.set_stance(skip_guard_eval_unsafe=skip_guards):  # inference only
+        with torch.no_grad(), torch.compiler.set_stance(skip_guard_eval_unsafe=self.compiled_warm):  # inference only
             logits = self.compiled_step(self.embed(tokens), cos, sin, start)
         self.cache_len = start + 1
         return logits
@@ -306,14 +323,16 @@ COMPILED_MIN_START = 2  # dynamo specialises the integers 0 and 1: a step at tho
 
 
 def compile_decode(model: Transformer) -> Transformer:
-    """Compile `model`'s one-token decoding step with torch.compile (inductor, C++ wrapper, weights frozen
-    as constants); every one-token, one-sequence forward then runs it, everything else stays eager.
-    Returns `model`, compiled and warmed up (tens of seconds on a small CPU; inductor caches on disk).
+    """Compile `model`'s forward passes over one sequence with torch.compile (inductor, C++ wrapper,
+    weights frozen as constants): one graph for a one-token decoding step (with the LM head), one for
+    the layers over 2 or more tokens under any attention mask (prefill, verification, token trees).
+    Hidden-state taps (DFlash) and batches stay eager. Returns `model`, compiled and warmed up (about a
+    minute on a 2-core CPU, in every process: frozen weights keep inductor from caching it).
 
     Why: on a CPU, eager decoding spends a quarter of each step on hundreds of small ops between the
-    matrix products; inductor fuses them into a few C++ loops. The KV cache length is a symbolic
-    integer, so one compiled graph serves every position (>= COMPILED_MIN_START); guards are skipped
-    at call time because that graph is the only entry. The graph is bound to the KV cache it was
+    matrix products; inductor fuses them into a few C++ loops. The KV cache length and the number of
+    tokens are symbolic, so each graph serves every length (positions >= COMPILED_MIN_START); guards
+    are skipped at call time because each graph is the only entry. The graphs are bound to the KV cache they were
     compiled with, so that cache is allocated here for the model's whole context and kept by later
     setup_cache calls (one that replaces it turns the compiled step off). The weights are baked in:
     compile after any change to them (quantization, pruning), never before. fp32 CPU only."""
@@ -327,18 +346,26 @@ def compile_decode(model: Transformer) -> Transformer:
     model.setup_cache(1, model.args.max_seq_len)
     model.compiled_cache = model.layers[0].attention.k_cache
     model.compiled_step = torch.compile(model.decode_step, dynamic=True)
-    saved, model.cache_len = model.cache_len, max(model.cache_len, COMPILED_MIN_START)
+    model.compiled_layers = torch.compile(model.run_layers, dynamic=True)
+    model.compiled_warm = False
     try:
         from torch._inductor import config as inductor_config
 
-        with torch.no_grad(), _mkldnn_linear_packing(), inductor_config.patch(freezing=True, cpp_wrapper=True):
-            model._compiled_decode(torch.zeros(1, 1, dtype=torch.long, device=p.device), skip_guards=False)
+        from torch.fx.experimental import _config as shape_config
+
+        # no duck shaping: a width equal to some other size at warm-up (e.g. 3 KV heads) would be tied to it
+        with torch.no_grad(), _mkldnn_linear_packing(), inductor_config.patch(freezing=True, cpp_wrapper=True), \
+                shape_config.patch(use_duck_shape=False):
+            for width in (1, 3):  # the cache contents do not matter: setup_cache starts every sequence afresh
+                model.cache_len = COMPILED_MIN_START
+                model(torch.zeros(1, width, dtype=torch.long, device=p.device))
     except Exception as e:  # inductor needs a working C++ compiler; say so in one line
-        model.compiled_step = None
+        model.compiled_step = model.compiled_layers = None
         raise D3DError(f"--compile failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
                        f"run without it") from e
     finally:
-        model.cache_len = saved
+        model.cache_len = 0
+    model.compiled_warm = True
     return model
 
 
@@ -489,6 +516,8 @@ def load_target(target: str | None = None, device: str = "cpu", max_seq_len: int
     its one-token decoding step (compile_decode; fp32 CPU only)."""
     from .quantize import apply_quantize
 
+    if compile and (quantize is not None or device != "cpu"):
+        raise D3DError("--compile supports the fp32 CPU runtime only (drop --quantize / --device)")
     model_dir = resolve_target(target)
     cfg = read_hf_config(model_dir)
     if quantize is not None and cfg.get("model_type") not in LLAMA_FAMILY:

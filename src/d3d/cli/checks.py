@@ -51,12 +51,12 @@ def method_options(args: argparse.Namespace) -> dict:
     return options
 
 
-def open_target(target: str | None, device: str = "cpu", quantize: str | None = None):
+def open_target(target: str | None, device: str = "cpu", quantize: str | None = None, compile: bool = False):
     """load_target, with any failure to read the checkpoint reported as a user error."""
     from ..target import load_target
 
     try:
-        return load_target(target, device, quantize=quantize)
+        return load_target(target, device, quantize=quantize, compile=compile)
     except D3DError:
         raise
     except (OSError, ValueError, KeyError, RuntimeError, TypeError) as e:

@@ -35,7 +35,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if args.trace and method != "d3d-async":
         raise D3DError("--trace records the rounds of --method d3d-async")
 
-    model, tok, model_dir = open_target(args.target, args.device, args.quantize)
+    model, tok, model_dir = open_target(args.target, args.device, args.quantize, args.compile)
     runner = make_runner(method, model, tok, model_dir, drafter=drafter_for(method, args), block_size=args.block_size,
                          draft_device=args.draft_device, **options)
     extra = {"trace": []} if args.trace else {}
@@ -117,7 +117,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     except OSError as e:
         raise D3DError(f"cannot create the folder of --out {out}: {e.strerror or e}") from None
 
-    model, tok, model_dir = open_target(args.target, args.device, args.quantize)
+    model, tok, model_dir = open_target(args.target, args.device, args.quantize, args.compile)
     runs = _bench_runs(methods, named, args, model_dir)
     runners = {name: make_runner(m, model, tok, model_dir, drafter=path, block_size=args.block_size, **options)
                for name, (m, path) in runs.items()}
@@ -127,7 +127,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
                 **{dest(o): getattr(args, dest(o)) for o in drafter_options()},
                 **({"drafters": named} if named else {}),
                 "drafter_weights": {n: weights_fingerprint(p) for n, (_, p) in runs.items() if p is not None},
-                "benchmarks": list(prompts), "limit": args.limit, "quick": args.quick, "quantize": args.quantize}
+                "benchmarks": list(prompts), "limit": args.limit, "quick": args.quick, "quantize": args.quantize,
+                "compile": args.compile}
     for runner in runners.values():  # what a method resolved itself, e.g. d3d-tree's budget and cost curve
         settings.update({k: v for k, v in runner.settings.items() if k != "block_size"})
     curve = None
@@ -181,7 +182,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     check_drafter(args.drafter)
     check_address(args.host, args.port)
     gen = load(args.target, args.method or BEST_METHOD, args.drafter, device=args.device, block_size=args.block_size,
-               quantize=args.quantize)
+               quantize=args.quantize, compile=args.compile)
     key = args.api_key or os.environ.get("D3D_API_KEY") or None
     print(f"d3d serve: {gen.name} with method {gen.method} on http://{args.host}:{args.port} "
           f"(web page at /, OpenAI API at /v1; API key {'required' if key else 'not required'})",
