@@ -6,8 +6,9 @@ import os
 import pytest
 import torch
 
+from d3d.loading import load_target
 from d3d.prompts import benchmark_prompts
-from d3d.target import encode_prompt, load_target
+from d3d.target import encode_prompt
 
 CHAT_PROMPTS = [
     "Write a short poem about the sea.",

@@ -10,10 +10,11 @@ import pytest
 import torch
 import torch.nn as nn
 
+from d3d.errors import D3DError
+from d3d.fastpath import PackedLinear, pack_linears
+from d3d.loading import load_target
 from d3d.methods import make_runner
 from d3d.quantize import Int8Linear, apply_quantize
-from d3d.target import PackedLinear, load_target, pack_linears
-from d3d.errors import D3DError
 
 
 @pytest.fixture(scope="module")

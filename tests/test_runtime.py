@@ -268,7 +268,8 @@ def test_compiled_decoding_equals_eager(smol, sequences):
     order) at every position, also after the cache is asked to grow; the compiled multi-token graph gives
     eager's logits for a causal chunk and a token tree; batches and a replaced cache stay eager."""
     from d3d.errors import D3DError
-    from d3d.target import compile_decode, load_runtime
+    from d3d.fastpath import compile_decode
+    from d3d.loading import load_runtime
     from d3d.tokentree import tree_mask, tree_positions
 
     def first_layers(n: int = 4):  # the real weights, fewer layers: compiling 30 takes twice as long

@@ -14,8 +14,8 @@ import torch
 
 from .engine import GenerationResult, LogprobRecorder, validate_request
 from .errors import D3DError
+from .loading import load_target
 from .methods import BEST_METHOD, make_runner, parse_methods
-from .target import load_target
 from .verify import SamplingParams
 
 CHAT_ROLES = ("system", "user", "assistant")
@@ -134,7 +134,7 @@ def load(target: str | None = None, method: str = BEST_METHOD, drafter: str | No
     method: a registered method name (d3d.registry; default: BEST_METHOD); drafter: checkpoint for drafter-based
     methods (None = the one shipped for the target); threads: torch CPU threads (None = leave torch's
     setting alone; it is process-wide); quantize: None (fp32) or "int8" (target and drafter);
-    compile: compile the target's one-token decoding step (target.compile_decode; fp32 CPU)."""
+    compile: compile the target's one-token decoding step (fastpath.compile_decode; fp32 CPU)."""
     methods = parse_methods(method)
     if len(methods) != 1:
         raise D3DError("load takes exactly one method")

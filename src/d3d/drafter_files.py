@@ -13,8 +13,9 @@ import torch
 
 from .drafter import Drafter, DrafterConfig, drafter_class, tokenizer_fingerprint
 from .errors import D3DError
+from .fastpath import pack_linears
 from .quantize import apply_quantize
-from .target import Transformer, pack_linears, rope_frequencies
+from .target import Transformer, rope_frequencies
 
 CONFIG_NAME = "drafter.json"
 WEIGHTS_NAME = "drafter.safetensors"

@@ -10,8 +10,9 @@ one-token decoding steps compute, and speculative decoding would stop being loss
 first divided by its own max |x|, and a constant row holding +1 and -1 is appended: the per-tensor
 range is then exactly [-1, 1] whatever the batch, each row is quantized on its own (per-token
 activation quantization), the integer products are exact, and the row is scaled back afterwards.
-Every row's output is bitwise the same in any batch (tests/test_quantize.py checks it). A quantized
-target is its own reference: speculative methods are lossless with respect to the target as it runs.
+Every row's output is bitwise the same in any batch (tests/test_quantize.py checks it). The target's
+attention runs row by row for the same reason (rowwise_attention). A quantized target is its own
+reference: speculative methods are lossless with respect to the target as it runs.
 
 Activation outliers. Per-token activation quantization alone loses a lot on this model: a few input
 channels are 10-100x the median, and the rest then get few levels. So, as in SmoothQuant, each input
@@ -27,6 +28,7 @@ import warnings
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from .errors import D3DError
 
@@ -97,10 +99,37 @@ def input_peaks(model: nn.Module, tokens: list[int]) -> dict[str, torch.Tensor]:
     return peaks
 
 
+def row_keys(mask: torch.Tensor, T: int, L: int) -> list[int | torch.Tensor]:
+    """For each of T query rows of a bool mask [..., T, L] (batch 1), the keys it sees: n for the
+    prefix 0..n-1, else their indices. Computed once per forward for every rowwise layer."""
+    keep = mask.reshape(T, L)
+    out: list[int | torch.Tensor] = []
+    for row in keep:
+        seen = row.nonzero()[:, 0]
+        n = len(seen)
+        out.append(n if n and int(seen[-1]) == n - 1 else seen)
+    return out
+
+
+def rowwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: list[int | torch.Tensor],
+                      gqa: bool) -> torch.Tensor:
+    """Attention of each query row on its own, over exactly the keys it may see (row_keys), with the
+    same kernel call as a one-token decoding step. A row's output is then bitwise what plain decoding
+    computes at that position, whatever else is in the batch."""
+    rows = []
+    for i, seen in enumerate(keys):
+        if isinstance(seen, int):  # a prefix: a view, as the decoding step reads its cache
+            ki, vi = k[:, :, :seen], v[:, :, :seen]
+        else:
+            ki, vi = k[:, :, seen], v[:, :, seen]
+        rows.append(F.scaled_dot_product_attention(q[:, :, i:i + 1], ki, vi, enable_gqa=gqa))
+    return torch.cat(rows, dim=2)
+
+
 def quantize_int8(model: nn.Module, tokenizer, batch_invariant: bool = True) -> nn.Module:
     """Replace every nn.Linear of `model` (CPU only; its KV cache not yet set up) by an Int8Linear
     smoothed on CALIBRATION_TEXT, in place; returns `model`. batch_invariant: also make its attention
-    row by row (target.rowwise_attention), so that a verification pass computes bitwise what decoding
+    row by row (rowwise_attention), so that a verification pass computes bitwise what decoding
     computes; a drafter does not need it."""
     if next(model.parameters()).device.type != "cpu":
         raise D3DError("--quantize int8 runs on the CPU (fbgemm); use --device cpu")

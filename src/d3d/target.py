@@ -1,4 +1,5 @@
-"""Target model: a compact Llama-family runtime (checkpoints are found and converted by d3d.checkpoints).
+"""Target model: a compact Llama-family runtime (checkpoints are found and converted by d3d.checkpoints,
+loaded by d3d.loading; d3d.fastpath makes the runtime fast on the CPU, d3d.quantize runs it in int8).
 
 The runtime follows gpt-fast: plain modules, fused projections, and a preallocated KV cache whose
 logical length is a single integer, so rolling back after a rejected draft is O(1).
@@ -6,22 +7,16 @@ logical length is a single integer, so rolling back after a rejected draft is O(
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .checkpoints import load_state_dict, load_tokenizer, read_hf_config, resolve_target
 from .errors import D3DError
+from .quantize import row_keys, rowwise_attention
 
-LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3"}
-
-
-# --------------------------------------------------------------------------------------------
-# The runtime
+COMPILED_MIN_START = 2  # dynamo specialises the integers 0 and 1: a step at those positions runs eagerly
 
 
 @dataclass
@@ -136,33 +131,6 @@ class Attention(nn.Module):
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
-
-
-def row_keys(mask: torch.Tensor, T: int, L: int) -> list[int | torch.Tensor]:
-    """For each of T query rows of a bool mask [..., T, L] (batch 1), the keys it sees: n for the
-    prefix 0..n-1, else their indices. Computed once per forward for every rowwise layer."""
-    keep = mask.reshape(T, L)
-    out: list[int | torch.Tensor] = []
-    for row in keep:
-        seen = row.nonzero()[:, 0]
-        n = len(seen)
-        out.append(n if n and int(seen[-1]) == n - 1 else seen)
-    return out
-
-
-def rowwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: list[int | torch.Tensor],
-                      gqa: bool) -> torch.Tensor:
-    """Attention of each query row on its own, over exactly the keys it may see (row_keys), with the
-    same kernel call as a one-token decoding step. A row's output is then bitwise what plain decoding
-    computes at that position, whatever else is in the batch."""
-    rows = []
-    for i, seen in enumerate(keys):
-        if isinstance(seen, int):  # a prefix: a view, as the decoding step reads its cache
-            ki, vi = k[:, :, :seen], v[:, :, :seen]
-        else:
-            ki, vi = k[:, :, seen], v[:, :, seen]
-        rows.append(F.scaled_dot_product_attention(q[:, :, i:i + 1], ki, vi, enable_gqa=gqa))
-    return torch.cat(rows, dim=2)
 
 
 class FeedForward(nn.Module):
@@ -318,215 +286,6 @@ class Transformer(nn.Module):
         self.cache_len = start + 1
         return logits
 
-
-COMPILED_MIN_START = 2  # dynamo specialises the integers 0 and 1: a step at those positions runs eagerly
-
-
-def compile_decode(model: Transformer) -> Transformer:
-    """Compile `model`'s forward passes over one sequence with torch.compile (inductor, C++ wrapper,
-    weights frozen as constants): one graph for a one-token decoding step (with the LM head), one for
-    the layers over 2 or more tokens under any attention mask (prefill, verification, token trees).
-    Hidden-state taps (DFlash) and batches stay eager. Returns `model`, compiled and warmed up (about a
-    minute on a 2-core CPU, in every process: frozen weights keep inductor from caching it).
-
-    Why: on a CPU, eager decoding spends a quarter of each step on hundreds of small ops between the
-    matrix products; inductor fuses them into a few C++ loops. The KV cache length and the number of
-    tokens are symbolic, so each graph serves every length (positions >= COMPILED_MIN_START); guards
-    are skipped at call time because each graph is the only entry. The graphs are bound to the KV cache they were
-    compiled with, so that cache is allocated here for the model's whole context and kept by later
-    setup_cache calls (one that replaces it turns the compiled step off). The weights are baked in:
-    compile after any change to them (quantization, pruning), never before. fp32 CPU only."""
-    p = next(model.parameters())
-    if not isinstance(model, Transformer) or getattr(model, "quantized", None) or p.device.type != "cpu" \
-            or p.dtype != torch.float32:
-        raise D3DError("--compile supports the native fp32 CPU runtime only (not --quantize, another device or "
-                       "the transformers fallback)")
-    if not hasattr(torch.compiler, "set_stance"):
-        raise D3DError(f"--compile needs torch >= 2.6 (this is {torch.__version__})")
-    model.setup_cache(1, model.args.max_seq_len)
-    model.compiled_cache = model.layers[0].attention.k_cache
-    model.compiled_step = torch.compile(model.decode_step, dynamic=True)
-    model.compiled_layers = torch.compile(model.run_layers, dynamic=True)
-    model.compiled_warm = False
-    try:
-        from torch._inductor import config as inductor_config
-
-        from torch.fx.experimental import _config as shape_config
-
-        # no duck shaping: a width equal to some other size at warm-up (e.g. 3 KV heads) would be tied to it
-        with torch.no_grad(), _mkldnn_linear_packing(), inductor_config.patch(freezing=True, cpp_wrapper=True), \
-                shape_config.patch(use_duck_shape=False):
-            for width in (1, 3):  # the cache contents do not matter: setup_cache starts every sequence afresh
-                model.cache_len = COMPILED_MIN_START
-                model(torch.zeros(1, width, dtype=torch.long, device=p.device))
-    except Exception as e:  # inductor needs a working C++ compiler; say so in one line
-        model.compiled_step = model.compiled_layers = None
-        raise D3DError(f"--compile failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-                       f"run without it") from e
-    finally:
-        model.cache_len = 0
-    model.compiled_warm = True
-    return model
-
-
-@contextmanager
-def _mkldnn_linear_packing():
-    """While inductor compiles: prepack fp32 linear weights for oneDNN in the layout PackedLinear uses.
-
-    For a static batch size (one token) inductor prepacks them for MKL instead, which measured 27 ms
-    for all of SmolLM2's linears at 1 thread against oneDNN's 19 ms (see PackedLinear); it picks oneDNN
-    when the batch size is symbolic, packed for a hint size. So, during compilation only, the batch
-    size reads as symbolic and the hint as PACK_ROWS. A no-op where this pass does not exist."""
-    try:
-        from torch._inductor.fx_passes import mkldnn_fusion as fusion
-        saved = fusion.has_free_symbols, fusion.optimization_hint
-    except (ImportError, AttributeError):
-        yield
-        return
-    fusion.has_free_symbols = lambda x: isinstance(x, int) or saved[0](x)
-    fusion.optimization_hint = lambda x, *a, **k: PACK_ROWS
-    try:
-        yield
-    finally:
-        fusion.has_free_symbols, fusion.optimization_hint = saved
-
-
-def _hf_to_runtime(sd: dict[str, torch.Tensor], a: ModelArgs) -> dict[str, torch.Tensor]:
-    out = {"tok_embeddings.weight": sd["model.embed_tokens.weight"], "norm.weight": sd["model.norm.weight"]}
-    out["output.weight"] = sd["model.embed_tokens.weight"] if a.tie_embeddings or "lm_head.weight" not in sd \
-        else sd["lm_head.weight"]
-    for i in range(a.n_layers):
-        p = f"model.layers.{i}."
-        q = f"layers.{i}."
-        out[q + "attention.wqkv.weight"] = torch.cat([sd[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
-        if a.qkv_bias:
-            out[q + "attention.wqkv.bias"] = torch.cat([sd[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
-        if a.qk_norm:
-            out[q + "attention.q_norm.weight"] = sd[p + "self_attn.q_norm.weight"]
-            out[q + "attention.k_norm.weight"] = sd[p + "self_attn.k_norm.weight"]
-        out[q + "attention.wo.weight"] = sd[p + "self_attn.o_proj.weight"]
-        out[q + "feed_forward.w13.weight"] = torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]])
-        out[q + "feed_forward.w2.weight"] = sd[p + "mlp.down_proj.weight"]
-        out[q + "attention_norm.weight"] = sd[p + "input_layernorm.weight"]
-        out[q + "ffn_norm.weight"] = sd[p + "post_attention_layernorm.weight"]
-    return out
-
-
-def load_runtime(model_dir: Path, device: str = "cpu", max_seq_len: int | None = None) -> Transformer:
-    cfg = read_hf_config(model_dir)
-    if cfg.get("model_type") not in LLAMA_FAMILY:
-        raise D3DError(f"model type {cfg.get('model_type')!r} has no native runtime; use HFRuntime")
-    a = ModelArgs.from_hf_config(cfg)
-    if max_seq_len:
-        a.max_seq_len = max_seq_len
-    with torch.device("meta"):
-        model = Transformer(a)
-    model.load_state_dict(_hf_to_runtime(load_state_dict(model_dir), a), assign=True, strict=True)
-    model.inv_freq = rope_frequencies(a)
-    return pack_linears(model.to(device).eval().requires_grad_(False))
-
-
-PACK_ROWS = 16  # oneDNN picks its blocked weight layout for this many input rows (see PackedLinear)
-
-
-class PackedLinear(nn.Linear):
-    """nn.Linear whose CPU inference runs on a copy of the weight prepacked in oneDNN's blocked layout.
-
-    Measured on this 2-core CPU (1 thread, all 30 layers + LM head of SmolLM2-135M): one row 37 ms with
-    F.linear on the [out, in] weight, 26 ms with x @ W^T contiguous, 19 ms prepacked for 16 rows; 16 rows
-    88 / 78 / 34 ms. The weight Parameter stays as it is (state_dict, drafters borrowing head rows,
-    training all see a plain nn.Linear); the packed copy costs memory, not bandwidth, and is remade
-    when the weight changes (its version counter moves with every in-place update, e.g. an optimizer
-    step). Training (autograd) and other devices use F.linear. Results equal F.linear to about 1e-5."""
-
-    _packed: torch.Tensor | None = None
-    _packed_key: tuple | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if w.device.type != "cpu" or w.dtype != torch.float32 or torch.compiler.is_compiling() or (
-                torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)):
-            return F.linear(x, w, self.bias)
-        key = (w.data_ptr(), w._version)
-        if self._packed_key != key:
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS)
-            self._packed_key = key
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
-
-
-def pack_linears(model: nn.Module) -> nn.Module:
-    """Turn every nn.Linear of `model` into a PackedLinear in place (same parameters, same
-    state_dict; see PackedLinear); a no-op where oneDNN is unavailable. Returns `model`."""
-    if torch.backends.mkldnn.is_available():
-        for module in model.modules():
-            if type(module) is nn.Linear:
-                module.__class__ = PackedLinear
-    return model
-
-
-class HFRuntime(nn.Module):
-    """Fallback for architectures without a native runtime: transformers' model with a DynamicCache.
-
-    Same interface as Transformer for causal feeding; custom attention masks are not supported.
-    """
-
-    def __init__(self, model_dir: Path, device: str = "cpu"):
-        super().__init__()
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
-        cfg = self.model.config
-        self.args = ModelArgs(vocab_size=cfg.vocab_size, dim=cfg.hidden_size, n_layers=cfg.num_hidden_layers,
-                              n_heads=1, n_kv_heads=1, head_dim=1, intermediate_size=1, norm_eps=0.0,
-                              rope_theta=0.0, max_seq_len=getattr(cfg, "max_position_embeddings", 4096))
-        self.cache = None
-        self.cache_len = 0
-        self.cache_size = self.args.max_seq_len
-
-    def setup_cache(self, max_batch: int = 1, max_len: int | None = None) -> None:
-        from transformers import DynamicCache
-
-        self.cache, self.cache_len = DynamicCache(), 0
-        self.cache_size = max_len or self.args.max_seq_len
-
-    def rollback(self, length: int) -> None:
-        if not 0 <= length <= self.cache_len:
-            raise ValueError(f"cannot roll back to {length} (cache holds {self.cache_len})")
-        if length < self.cache_len:
-            self.cache.crop(length)
-        self.cache_len = length
-
-    @torch.no_grad()
-    def forward(self, tokens, mask=None, positions=None, last_only=False, hidden_layers=None):
-        if mask is not None or positions is not None:
-            raise D3DError("this target runs on the transformers fallback, which supports causal feeding only")
-        out = self.model(tokens, past_key_values=self.cache, use_cache=True,
-                         output_hidden_states=hidden_layers is not None,
-                         logits_to_keep=1 if last_only else 0)
-        self.cache_len += tokens.shape[1]
-        if hidden_layers is not None:
-            return out.logits, [out.hidden_states[i + 1] for i in hidden_layers]
-        return out.logits
-
-
-def load_target(target: str | None = None, device: str = "cpu", max_seq_len: int | None = None,
-                quantize: str | None = None, compile: bool = False):
-    """(runtime, tokenizer, model_dir) for `--target` (None = the embedded default); `quantize`: None
-    (fp32) or "int8" (see d3d.quantize; drafters loaded for this target follow it); `compile`: compile
-    its one-token decoding step (compile_decode; fp32 CPU only)."""
-    from .quantize import apply_quantize
-
-    if compile and (quantize is not None or device != "cpu"):
-        raise D3DError("--compile supports the fp32 CPU runtime only (drop --quantize / --device)")
-    model_dir = resolve_target(target)
-    cfg = read_hf_config(model_dir)
-    if quantize is not None and cfg.get("model_type") not in LLAMA_FAMILY:
-        raise D3DError(f"--quantize needs the native runtime; model type {cfg.get('model_type')!r} has none")
-    model = load_runtime(model_dir, device, max_seq_len) if cfg.get("model_type") in LLAMA_FAMILY \
-        else HFRuntime(model_dir, device)
-    tokenizer = load_tokenizer(model_dir)
-    model = apply_quantize(model, quantize, tokenizer)
-    return compile_decode(model) if compile else model, tokenizer, model_dir
 
 
 def encode_prompt(tokenizer, prompt: str, raw: bool = False) -> list[int]:

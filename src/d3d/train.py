@@ -148,7 +148,7 @@ def init_model_drafter(target, tokenizer, target_name: str, target_dir: Path, in
     (cfg.from_target), so the checkpoint stores only what training changes (a delta checkpoint)."""
     from .checkpoints import resolve_target
     from .drafter import drafter_from_model, tokenizer_fingerprint
-    from .target import load_target
+    from .loading import load_target
 
     model_dir = target_dir if init_model == INIT_TARGET else resolve_target(init_model)
     same = Path(model_dir).resolve() == Path(target_dir).resolve()
@@ -181,7 +181,7 @@ def train_drafter(target: str | None, data: Path, out: Path, run_dir: Path, laye
     from .data import load_dataset
     from .drafter import drafter_from_target
     from .drafter_files import load_drafter, save_drafter
-    from .target import load_target
+    from .loading import load_target
 
     model, tok, model_dir = load_target(target)
     examples = load_dataset(data, max_shards)

@@ -53,7 +53,7 @@ def method_options(args: argparse.Namespace) -> dict:
 
 def open_target(target: str | None, device: str = "cpu", quantize: str | None = None, compile: bool = False):
     """load_target, with any failure to read the checkpoint reported as a user error."""
-    from ..target import load_target
+    from ..loading import load_target
 
     try:
         return load_target(target, device, quantize=quantize, compile=compile)

@@ -12,7 +12,7 @@ from .checks import check_drafter, check_max_shards, int_list, open_target
 def cmd_data(args: argparse.Namespace) -> None:
     from ..checkpoints import DEFAULT_TARGET
     from ..data import build_dataset
-    from ..target import load_target
+    from ..loading import load_target
 
     model, tok, model_dir = load_target(args.target)
     log_path = Path(args.out) / "progress.log"
