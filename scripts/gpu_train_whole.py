@@ -43,8 +43,7 @@ from d3d.errors import D3DError
 from d3d.loading import load_target
 from d3d.losses import evaluate, losses
 from d3d.prompts import (CALIBRATION_SETS, SHAREGPT_HELDOUT_POOL, _sharegpt_shuffled, benchmark_prompt_hashes,
-                         calibration_prompts, prompt_hash, training_mix)
-from d3d.target import encode_prompt
+                         calibration_prompts, encode_prompt, prompt_hash, training_mix)
 from d3d.train import lr_at, trainable_parameters
 
 SHARD_SIZE = 4096  # examples per data shard

@@ -23,8 +23,7 @@ from d3d.data import atomic_write_json
 from d3d.fastpath import PackedLinear
 from d3d.loading import load_target
 from d3d.methods import make_runner
-from d3d.prompts import MultiTurn, benchmark_prompts
-from d3d.target import encode_prompt
+from d3d.prompts import MultiTurn, benchmark_prompts, encode_prompt
 
 
 def unpacked(model: nn.Module, on: bool) -> None:

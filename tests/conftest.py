@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from d3d.loading import load_target
-from d3d.prompts import benchmark_prompts
-from d3d.target import encode_prompt
+from d3d.prompts import benchmark_prompts, encode_prompt
 
 CHAT_PROMPTS = [
     "Write a short poem about the sea.",

@@ -217,8 +217,7 @@ def test_greedy_choices_equal_the_committed_bench_outputs(smol):
     import json
     from pathlib import Path
 
-    from d3d.bench import encode_chat
-    from d3d.prompts import MultiTurn, benchmark_prompts
+    from d3d.prompts import benchmark_prompts, encode_prompt, first_turn
 
     model, tok, _ = smol
     report = json.loads((Path(__file__).parents[1] / "results" / "bench_full_t0_cpu.json").read_text())
@@ -228,7 +227,7 @@ def test_greedy_choices_equal_the_committed_bench_outputs(smol):
         items = benchmark_prompts(benchmark, 2)
         for row in [r for r in rows if r["benchmark"] == benchmark][:2]:
             item = items[row.get("item", row["prompt_index"])]
-            ids = encode_chat(tok, [{"role": "user", "content": item.turns[0] if isinstance(item, MultiTurn) else item}])
+            ids = encode_prompt(tok, first_turn(item))
             seq = ids + row["token_ids"]
             model.setup_cache(1, len(seq) + 1)
             greedy = model(torch.tensor([seq[:-1]]))[0, len(ids) - 1:].argmax(-1).tolist()

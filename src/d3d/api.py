@@ -16,6 +16,7 @@ from .engine import GenerationResult, LogprobRecorder, validate_request
 from .errors import D3DError
 from .loading import load_target
 from .methods import BEST_METHOD, make_runner, parse_methods
+from .prompts import encode_prompt
 from .verify import SamplingParams
 
 CHAT_ROLES = ("system", "user", "assistant")
@@ -71,22 +72,15 @@ class Generator:
 
     def encode(self, prompt: str | list[dict], raw: bool = False) -> list[int]:
         """Token ids of a prompt: a string goes through the chat template as one user message (unless
-        `raw`); a list of chat messages goes through the chat template whole."""
-        tok = self.tokenizer
+        `raw`); a list of chat messages is checked (check_messages) and goes through the chat template whole."""
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise D3DError("empty prompt")
-            if raw or not tok.chat_template:
-                return tok.encode(prompt, add_special_tokens=False)
-            messages = [{"role": "user", "content": prompt}]
         else:
             if raw:
                 raise D3DError("raw=True takes a string prompt, not chat messages")
-            messages = check_messages(prompt)
-            if not tok.chat_template:
-                return tok.encode("\n".join(m["content"] for m in messages), add_special_tokens=False)
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            prompt = check_messages(prompt)
+        return encode_prompt(self.tokenizer, prompt, raw, sep="\n")
 
     def check(self, prompt_ids: list[int], max_new_tokens: int) -> None:
         """Raise D3DError if the request cannot run (empty, max_new_tokens <= 0, context overflow)."""

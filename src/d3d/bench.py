@@ -29,9 +29,8 @@ from tqdm import tqdm
 from .data import atomic_write_bytes
 from .engine import GenerationResult, validate_request
 from .errors import D3DError
-from .prompts import BenchItem, MultiTurn
+from .prompts import BenchItem, MultiTurn, encode_prompt, first_turn
 from .registry import Runner
-from .target import encode_prompt
 from .verify import SamplingParams
 
 
@@ -188,17 +187,6 @@ def _summary(benchmark: str, method: str, results: list[GenerationResult], ar: l
     return row
 
 
-def encode_chat(tokenizer, messages: list[dict], raw: bool = False) -> list[int]:
-    """Token ids of a chat (user/assistant messages) ending with the generation prompt; one user message
-    is exactly encode_prompt. Raw (or without a chat template): the contents joined by blank lines."""
-    if len(messages) == 1:
-        return encode_prompt(tokenizer, messages[0]["content"], raw)
-    if raw or not tokenizer.chat_template:
-        return tokenizer.encode("\n\n".join(m["content"] for m in messages), add_special_tokens=False)
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-
 def _turns(item: BenchItem) -> list[str]:
     return list(item.turns) if isinstance(item, MultiTurn) else [item]
 
@@ -225,13 +213,12 @@ def run_bench(model, tokenizer, runners: dict[str, Runner], prompts: dict[str, l
             for t in range(len(turns)):
                 chat = [m for u in turns[:t] for m in ({"role": "user", "content": u},
                                                        {"role": "assistant", "content": ""})]
-                ids = encode_chat(tokenizer, chat + [{"role": "user", "content": turns[t]}], raw)
+                ids = encode_prompt(tokenizer, chat + [{"role": "user", "content": turns[t]}], raw)
                 validate_request(model, ids, max_new_tokens + t * (max_new_tokens + 8), block_size)
 
     done, log = open_journal(journal, {**(header or {}), "prompts": _fingerprint(prompts)}) \
         if journal is not None else ({}, None)
-    first = encode_chat(tokenizer, [{"role": "user", "content": _turns(next(
-        item for items in prompts.values() for item in items))[0]}], raw)
+    first = encode_prompt(tokenizer, first_turn(next(item for items in prompts.values() for item in items)), raw)
     for m in methods:  # warm-up (allocations, lazy init), not recorded
         runners[m](first, params=params, max_new_tokens=min(max_new_tokens, 8))
 
@@ -245,7 +232,7 @@ def run_bench(model, tokenizer, runners: dict[str, Runner], prompts: dict[str, l
             turns, chat = _turns(item), []
             for t, user in enumerate(turns):
                 chat.append({"role": "user", "content": user})
-                ids = encode_chat(tokenizer, chat, raw)
+                ids = encode_prompt(tokenizer, chat, raw)
                 validate_request(model, ids, max_new_tokens, block_size)
                 seed = None if params.seed is None else params.seed + i
                 p = SamplingParams(params.temperature, params.top_k, params.top_p, seed)

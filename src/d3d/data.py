@@ -18,8 +18,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .prompts import prompt_hash, training_mix
-from .target import encode_prompt
+from .prompts import encode_prompt, prompt_hash, training_mix
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

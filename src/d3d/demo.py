@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from .methods import BEST_METHOD, make_runner
-from .target import encode_prompt
+from .prompts import encode_prompt
 from .verify import SamplingParams
 
 DEMO_PROMPTS = (

