@@ -16,7 +16,7 @@ import torch
 import d3d.engine
 from d3d.engine import generate
 from d3d.methods import make_runner
-from d3d.verify import SamplingParams, probs_from_logits, sample, verify
+from d3d.verify import SamplingParams, leading_matches, probs_from_logits, sample, verify
 from sampling_law import EOS, V, StubTokenizer, chi2_pvalue, draw, exact_law, tiny_model
 
 GREEDY = SamplingParams()
@@ -57,6 +57,14 @@ class Garbage:
 
     def propose(self, tokens, k):
         return torch.randint(self.vocab, (k,), generator=self.g).tolist(), None
+
+
+def test_greedy_acceptance_counts_leading_matches():
+    """The one acceptance count (verify, the replayed and the teacher-forced tau): matches up to the first miss."""
+    assert [leading_matches(m) for m in ([], [False], [True, True], [True, False, True])] == [0, 0, 2, 1]
+    logits = torch.nn.functional.one_hot(torch.tensor([5, 6, 7, 8]), 10).float()  # the target says 5 6 7 8
+    drafts = ([5, 6, 7], [5, 9, 7], [], [1])
+    assert [verify(d, logits, GREEDY, None) for d in drafts] == [(3, 8), (1, 6), (0, 5), (0, 5)]
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from .drafter import Drafter
+from .verify import leading_matches
 
 
 @torch.no_grad()
@@ -29,9 +30,7 @@ def replay_acceptance(drafter: Drafter, prompt_ids: list[int], continuation: lis
         k = min(B - 1, max_new_tokens - pos - 1)
         context = prompt_ids + continuation[:pos]
         draft = drafter.draft_ids[drafter.draft_block(context)[:k].argmax(-1)].tolist() if k > 0 else []
-        n = 0
-        while n < len(draft) and pos + n < len(continuation) and draft[n] == continuation[pos + n]:
-            n += 1
+        n = leading_matches(d == c for d, c in zip(draft, continuation[pos:]))
         out.append(n + 1)
         pos += n + 1
     return out

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from .batches import Batch, TrainConfig, batch_to, make_batch, vocab_map_for
 from .data import Example
 from .drafter import Drafter
+from .verify import leading_matches
 
 
 def acceptance_from_slots(correct: torch.Tensor, slot_k: torch.Tensor, slot_block: torch.Tensor,
@@ -21,10 +22,7 @@ def acceptance_from_slots(correct: torch.Tensor, slot_k: torch.Tensor, slot_bloc
     for b in slot_block.unique():
         sel = slot_block == b
         ok = correct[sel][slot_k[sel].argsort()][:B - 1].tolist()
-        n = 0
-        while n < len(ok) and ok[n]:
-            n += 1
-        taus.append(n + 1)
+        taus.append(leading_matches(ok) + 1)
     return sum(taus) / max(1, len(taus))
 
 

@@ -9,7 +9,9 @@ as one-hot on its draft (q(x_i) = 1), which is the same rule.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import takewhile
 
 import torch
 
@@ -74,6 +76,13 @@ def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     return sample(probs_from_logits(logits, params), generator)
 
 
+def leading_matches(matches: Iterable[bool]) -> int:
+    """How many of `matches` hold before the first that does not: the greedy acceptance count when
+    match i says whether draft token i is the target's token. verify, the replayed tau (d3d.estimate)
+    and the teacher-forced tau of training (d3d.losses) all count acceptance with it."""
+    return sum(1 for _ in takewhile(bool, matches))
+
+
 def verify(draft: list[int], target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
            draft_probs: torch.Tensor | None = None) -> tuple[int, int]:
     """Decide how much of `draft` to keep.
@@ -85,9 +94,7 @@ def verify(draft: list[int], target_logits: torch.Tensor, params: SamplingParams
     k = len(draft)
     if params.greedy:
         target = target_logits.argmax(-1).tolist()
-        n = 0
-        while n < k and draft[n] == target[n]:
-            n += 1
+        n = leading_matches(d == t for d, t in zip(draft, target))
         return n, target[n]
     p = probs_from_logits(target_logits, params)
     u = torch.rand(k, generator=generator, device=p.device).tolist() if k else []
