@@ -8,11 +8,12 @@ from collections import Counter
 import pytest
 import torch
 
-from d3d.async_engine import generate_async, write_chrome_trace
+from d3d.async_engine import generate_async
 from d3d.drafter import Drafter, drafter_from_target
 from d3d.engine import generate
 from d3d.packed import acceptance_law, keep_prefix, likely_candidates, packed_draft, packed_layout, prefill
 from d3d.target import ModelArgs, Transformer
+from d3d.trace import write_chrome_trace
 from d3d.verify import SamplingParams
 from sampling_law import chi2_pvalue, exact_law
 

@@ -14,13 +14,10 @@ distribution q, which depends only on verified text, and q goes to the standard 
 """
 from __future__ import annotations
 
-import json
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 
 import torch
 
@@ -31,9 +28,9 @@ from .errors import D3DError
 from .packed import keep_prefix, likely_candidates, packed_draft, prefill
 from .proposer import draft_generator, sample_draft
 from .registry import Method, Runner, Setup, register
+from .trace import DRAFT_TID, VERIFY_TID, add_span, now_us
 from .verify import SamplingParams, make_generator, next_token, verify
 
-VERIFY_TID, DRAFT_TID = 0, 1
 _STAT_LISTS = ("verify_s", "draft_s", "wait_s", "sync_draft_s", "pick_s", "candidates")
 
 
@@ -78,10 +75,6 @@ class _Done:
         return self.value
 
 
-def _now_us() -> float:
-    return time.perf_counter_ns() / 1000
-
-
 def _place(drafter: Drafter, draft_device) -> torch.device:
     device = torch.device(draft_device) if draft_device is not None else drafter.draft_ids.device
     if device != drafter.draft_ids.device:
@@ -111,18 +104,13 @@ class DraftWorker:
         if self.pool is not None:
             self.pool.shutdown(wait=True)
 
-    def span(self, name: str, tid: int, t0: float, t1: float, **args) -> None:
-        if self.trace is not None:
-            self.trace.append({"name": name, "ph": "X", "ts": t0, "dur": t1 - t0, "pid": 0, "tid": tid,
-                               "args": args})
-
     def _timed(self, fn, args: tuple):
-        t0 = _now_us()
+        t0 = now_us()
         with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
             out = fn(*args)
         if self.stream is not None:
             self.stream.synchronize()
-        return out, t0, _now_us()
+        return out, t0, now_us()
 
     def submit(self, fn, *args) -> Future | _Done:
         """Run fn(*args) on the drafter, concurrently when overlapping; result() -> (out, t0_us, t1_us)."""
@@ -153,20 +141,20 @@ class DraftWorker:
     def sync_draft(self, tokens: list[int]) -> Block:
         """A plain synchronous D3D draft after the verified text (ending with the pending token); the
         cache then keeps the text minus the pending token, which the next packed pass feeds as v0."""
-        t0 = _now_us()
+        t0 = now_us()
         logits = self.drafter.draft_block(tokens)[:self.drafter.block_size - 1]
         keep_prefix(self.drafter, len(tokens) - 1)
         block = self.block(logits)
-        self.span("sync draft", DRAFT_TID, t0, _now_us())
+        add_span(self.trace, "sync draft", DRAFT_TID, t0, now_us())
         return block
 
     @torch.no_grad()
     def pick(self, out: torch.Tensor) -> Block:
         """The next block from one packed candidate's output [S, .]: slot 0 is the bonus position."""
-        t0 = _now_us()
+        t0 = now_us()
         logits = out[1:] if self.head_all else self.drafter.head(out[1:])
         block = self.block(logits)
-        self.span("pick", DRAFT_TID, t0, _now_us())
+        add_span(self.trace, "pick", DRAFT_TID, t0, now_us())
         return block
 
 
@@ -208,71 +196,61 @@ def generate_async(model, tokenizer, prompt_ids: list[int], params: SamplingPara
     drafter.cached_tokens = []
 
     with DraftWorker(drafter, params, model.args.vocab_size, overlap, max_candidates, head_all, trace, device) as w:
-        t0 = _now_us()
+        t0 = now_us()
         fut = w.submit(prefill, drafter, list(prompt_ids))
         logits = model(torch.tensor([prompt_ids], device=device), last_only=True)
         first = next_token(logits[0, -1], params, gen)
         sync_device(device)
-        t1 = _now_us()
+        t1 = now_us()
         _, d0, d1 = fut.result()
-        w.span("prefill", VERIFY_TID, t0, t1)
-        w.span("prefill", DRAFT_TID, d0, d1)
-        res.prefill_s = (_now_us() - t0) / 1e6
-        start = _now_us()
+        add_span(w.trace, "prefill", VERIFY_TID, t0, t1)
+        add_span(w.trace, "prefill", DRAFT_TID, d0, d1)
+        res.prefill_s = (now_us() - t0) / 1e6
+        start = now_us()
         tokens = list(prompt_ids) + [first]
         reason = commit_first(res, stopper, first, logits[0, -1:], on_round, logprobs)
         block = None
         while reason is None:
             remaining = max_new_tokens - len(res.token_ids)
-            s0 = _now_us()
+            s0 = now_us()
             if block is None:
                 stats["fallbacks"] += 1 if res.rounds else 0
                 block = w.sync_draft(tokens)
             else:
                 stats["packed_hits"] += 1
-            s1 = _now_us()
+            s1 = now_us()
             k = min(len(block.tokens), remaining - 1)
             drafts, q = block.tokens[:k], None if block.q is None else block.q[:k]
             V = [tokens[-1]] + drafts
             cands = w.candidates(block, k, remaining)
             fut = w.submit(packed_draft, drafter, V, cands, S, head_all) if cands else None
             base = len(tokens) - 1
-            v0 = _now_us()
+            v0 = now_us()
             logits = model(torch.tensor([V], device=device))
             n, nxt = verify(drafts, logits[0], params, gen, q)
             model.rollback(base + 1 + n)
             sync_device(device)
-            v1 = _now_us()
+            v1 = now_us()
             out, p0, p1 = fut.result() if fut is not None else (None, v1, v1)
             if fut is not None:
                 keep_prefix(drafter, base + 1 + n)
-            w1 = _now_us()
-            w.span("verify", VERIFY_TID, v0, v1, drafts=k, accepted=n)
+            w1 = now_us()
+            add_span(w.trace, "verify", VERIFY_TID, v0, v1, drafts=k, accepted=n)
             if fut is not None:
-                w.span("draft", DRAFT_TID, p0, p1, candidates=len(cands))
+                add_span(w.trace, "draft", DRAFT_TID, p0, p1, candidates=len(cands))
             chunk = drafts[:n] + [nxt]
             res.acceptance_lengths.append(n + 1)
             reason = commit_round(res, stopper, tokens, chunk, on_round, logprobs, logits[0, :n + 1])
             block = w.pick(out[cands.index(n)]) if reason is None and n in cands else None
             for key, value in zip(_STAT_LISTS, ((v1 - v0) / 1e6, (p1 - p0) / 1e6, (w1 - v1) / 1e6, (s1 - s0) / 1e6,
-                                                (_now_us() - w1) / 1e6, len(cands))):
+                                                (now_us() - w1) / 1e6, len(cands))):
                 stats[key].append(value)
         sync_device(draft_dev)
-        res.decode_s = (_now_us() - start) / 1e6
+        res.decode_s = (now_us() - start) / 1e6
     res.finish_reason = reason
     res.text = stopper.final_text(res.token_ids)
     res.logprobs = None if logprobs is None else logprobs.entries
     return res
-
-
-def write_chrome_trace(events: list[dict], path: str | Path) -> None:
-    """Write spans collected by generate_async(trace=...) as a Chrome trace (chrome://tracing, Perfetto).
-    Lanes are roles, not OS threads: tid 0 the target (prefill, verify), tid 1 the drafter (prefill,
-    packed draft in the worker, and the serial sync draft / pick of the next block)."""
-    names = {VERIFY_TID: "target: verify", DRAFT_TID: "drafter: packed draft"}
-    meta = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": name}}
-            for tid, name in names.items()]
-    Path(path).write_text(json.dumps({"traceEvents": meta + list(events), "displayTimeUnit": "ms"}) + "\n")
 
 
 def _split_cpu_threads(run):

@@ -42,8 +42,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     res = runner(encode_prompt(tok, args.prompt, args.raw), params=params, max_new_tokens=args.max_new_tokens,
                  stop=args.stop, **extra)
     if args.trace:
-        from ..async_engine import write_chrome_trace
         from ..plots import plot_timeline
+        from ..trace import write_chrome_trace
 
         write_chrome_trace(extra["trace"], args.trace)
         plot_timeline(extra["trace"], Path(args.trace).with_suffix(".png"))
