@@ -14,10 +14,11 @@ from d3d.data import Example, load_dataset
 from d3d.drafter import Drafter, drafter_from_target, tokenizer_fingerprint
 from d3d.drafter_files import load_drafter, save_drafter
 from d3d.engine import generate
+from d3d.errors import D3DError
 from d3d.methods import DEFAULT_DRAFTERS
 from d3d.prompts import benchmark_prompt_hashes
 from d3d.proposer import D3DProposer
-from d3d.target import D3DError, ModelArgs, Transformer
+from d3d.target import ModelArgs, Transformer
 from d3d.train import dropped_layers, train
 
 ROOT = Path(__file__).resolve().parents[1]

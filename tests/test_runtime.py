@@ -307,3 +307,23 @@ def test_compiled_decoding_equals_eager(smol, sequences):
     assert len(calls) == 38
     with pytest.raises(D3DError, match="--compile"):
         compile_decode(torch.nn.Linear(2, 2))
+
+
+@torch.no_grad()
+def test_hf_fallback_rolls_back_and_speculates_losslessly(smol, sequences):
+    """The transformers fallback (HFRuntime, for architectures without a native runtime): a rollback
+    forgets exactly the dropped tokens, and n-gram speculation on it gives plain decoding's tokens."""
+    from d3d.engine import generate
+    from d3d.hf import HFRuntime
+    from d3d.ngram import NgramProposer
+
+    model, tok = HFRuntime(smol[2]), smol[1]
+    seq = sequences[0]
+    model.setup_cache(1)
+    full = model(torch.tensor([seq]))[0]
+    model.rollback(len(seq) - 5)
+    again = model(torch.tensor([seq[-5:]]))[0]
+    assert float((again - full[-5:]).abs().max()) < TOL_SAME * 10
+    plain = generate(model, tok, seq, max_new_tokens=24)
+    spec = generate(model, tok, seq, max_new_tokens=24, proposer=NgramProposer())
+    assert spec.token_ids == plain.token_ids and spec.rounds < plain.rounds

@@ -128,7 +128,7 @@ def load(target: str | None = None, method: str = BEST_METHOD, drafter: str | No
     method: a registered method name (d3d.registry; default: BEST_METHOD); drafter: checkpoint for drafter-based
     methods (None = the one shipped for the target); threads: torch CPU threads (None = leave torch's
     setting alone; it is process-wide); quantize: None (fp32) or "int8" (target and drafter);
-    compile: compile the target's one-token decoding step (fastpath.compile_decode; fp32 CPU)."""
+    compile: compile the target's forward passes (fastpath.compile_decode; fp32 CPU; 1-2 minutes)."""
     methods = parse_methods(method)
     if len(methods) != 1:
         raise D3DError("load takes exactly one method")

@@ -57,7 +57,7 @@ class HFRuntime(nn.Module):
         if not 0 <= length <= self.cache_len:
             raise ValueError(f"cannot roll back to {length} (cache holds {self.cache_len})")
         if length < self.cache_len:
-            self.cache.crop(length)
+            self.cache.crop(length - self.cache_len)  # a negative count: drop that many tokens
         self.cache_len = length
 
     @torch.no_grad()

@@ -54,7 +54,7 @@ def load_target(target: str | None = None, device: str = "cpu", max_seq_len: int
                 quantize: str | None = None, compile: bool = False):
     """(runtime, tokenizer, model_dir) for `--target` (None = the embedded default); `quantize`: None
     (fp32) or "int8" (see d3d.quantize; drafters loaded for this target follow it); `compile`: compile
-    its one-token decoding step (compile_decode; fp32 CPU only)."""
+    its forward passes over one sequence (compile_decode; fp32 CPU only)."""
     from .quantize import apply_quantize
 
     if compile and (quantize is not None or device != "cpu"):

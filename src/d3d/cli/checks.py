@@ -17,6 +17,16 @@ def set_threads(n: int | None) -> None:
     torch.set_num_threads(n or min(2, torch.get_num_threads()))
 
 
+def output_folder(path: str, option: str) -> Path:
+    """`path` as a Path, its folder created (the user asked for a file there), or a one-line error."""
+    out = Path(path)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise D3DError(f"cannot create the folder of {option} {out}: {e.strerror or e}") from None
+    return out
+
+
 def num_threads() -> int:
     import torch
 

@@ -29,7 +29,7 @@ def _add_target_args(p: argparse.ArgumentParser, device: bool = True) -> None:
         p.add_argument("--quantize", choices=["int8"], default=None,
                        help="int8 weights for target and drafter (CPU, fbgemm); default: fp32")
         p.add_argument("--compile", action="store_true",
-                       help="compile the target's one-token decoding step (torch.compile; fp32 CPU; ~1 min once)")
+                       help="compile the target's forward passes (torch.compile; fp32 CPU; 1-2 min at start)")
 
 
 def _add_method_options(p: argparse.ArgumentParser) -> None:

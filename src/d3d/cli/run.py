@@ -11,7 +11,7 @@ from pathlib import Path
 from ..errors import D3DError
 from ..registry import drafter_options, get
 from .checks import (check_budget, check_device, check_drafter, dest, drafter_for, method_options, named_paths,
-                     num_threads, open_target, sampling)
+                     num_threads, open_target, output_folder, sampling)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -34,6 +34,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
         check_device(args.draft_device)
     if args.trace and method != "d3d-async":
         raise D3DError("--trace records the rounds of --method d3d-async")
+    if args.trace:
+        output_folder(args.trace, "--trace")
 
     model, tok, model_dir = open_target(args.target, args.device, args.quantize, args.compile)
     runner = make_runner(method, model, tok, model_dir, drafter=drafter_for(method, args), block_size=args.block_size,
@@ -111,11 +113,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if named and not any(get(m).option == "drafter" for m in methods):
         raise D3DError("--drafters needs a method that takes --drafter in --methods (e.g. d3d, d3d-async)")
     prompts = _bench_prompts(args)
-    out = Path(args.out)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise D3DError(f"cannot create the folder of --out {out}: {e.strerror or e}") from None
+    out = output_folder(args.out, "--out")
 
     model, tok, model_dir = open_target(args.target, args.device, args.quantize, args.compile)
     runs = _bench_runs(methods, named, args, model_dir)
