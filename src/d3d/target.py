@@ -237,7 +237,7 @@ class Transformer(nn.Module):
         x = self.embed(tokens)
         taps = []
         if self._compiled_for(tokens) and T > 1 and hidden_layers is None and cos.dim() == 2 \
-                and isinstance(mask, torch.Tensor):
+                and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:  # what the graph was traced with
             with torch.no_grad(), torch.compiler.set_stance(skip_guard_eval_unsafe=self.compiled_warm):
                 x = self.compiled_layers(x, cos, sin, mask.reshape(1, 1, T, start + T), start)
         else:
