@@ -52,6 +52,26 @@ def test_int8_linear_is_batch_invariant_and_close_to_fp32():
     assert ((full - ref).abs().amax(-1) / ref.abs().amax(-1)).max() < 0.05
 
 
+@pytest.mark.parametrize("n, k", [(96, 64), (50, 30)])  # whole blocks; ragged rows and columns (padding)
+def test_int8_kernel_equals_integer_math(n, k):
+    """d3d.int8_kernel's operator is exactly the integer product of per-row int8 activations and weights,
+    scaled back: compared with the same quantization computed in float64 by torch."""
+    from d3d.int8_kernel import load_kernel, pack_int8
+
+    load_kernel()
+    torch.manual_seed(0)
+    w, x, smooth, bias = torch.randn(n, k), torch.randn(5, k) * 3, torch.rand(k) + 0.5, torch.randn(n)
+    packed, w_sum, w_scale = pack_int8(w)
+    y = torch.ops.d3d.int8_linear(x, packed, w_sum, w_scale, smooth, bias)
+    wq = torch.round(w / w_scale[:, None]).clamp(-127, 127).double()
+    xs = x * smooth
+    x_scale = xs.abs().amax(1, keepdim=True) / 127
+    xq = torch.round(xs * (1 / x_scale)).double()
+    want = (xq @ wq.T) * x_scale.double() * w_scale.double() + bias.double()
+    assert torch.allclose(y.double(), want, rtol=1e-5, atol=1e-5)
+    assert (w_sum == wq.sum(1).int()).all()
+
+
 @torch.no_grad()
 def test_int8_target_verification_rows_equal_decoding_steps(int8_target, prompt_ids):
     model = int8_target[0]

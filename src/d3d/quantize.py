@@ -1,36 +1,33 @@
 """`--quantize int8`: int8 weights for the target and its drafter on the CPU, like llama.cpp's Q8_0.
 
-Each linear layer's weight is quantized per output row (symmetric, scale = max|w| / 127) and run by
-fbgemm's dynamic int8 linear: a quarter of fp32's bytes, which is what decoding is bound by on a CPU
-(LM head, one row, 1 thread: 4.1 ms fp32 -> 0.6-0.9 ms).
+Each linear layer's weight is quantized per output row (symmetric, scale = max|w| / 127) and each
+input row per token (symmetric int8 with its own scale), and d3d's own kernel (d3d.int8_kernel) sums
+the integer products exactly: a quarter of fp32's bytes, which is what decoding is bound by on a CPU.
 
-Batch invariance. fbgemm quantizes its input with one scale per call (per tensor), so a row's result
-would depend on the other rows in the call: a 16-token verification would not compute what 16
-one-token decoding steps compute, and speculative decoding would stop being lossless. So each row is
-first divided by its own max |x|, and a constant row holding +1 and -1 is appended: the per-tensor
-range is then exactly [-1, 1] whatever the batch, each row is quantized on its own (per-token
-activation quantization), the integer products are exact, and the row is scaled back afterwards.
-Every row's output is bitwise the same in any batch (tests/test_quantize.py checks it). The target's
-attention runs row by row for the same reason (rowwise_attention). A quantized target is its own
-reference: speculative methods are lossless with respect to the target as it runs.
+Batch invariance. Every row is quantized and multiplied on its own and the integer sums are exact, so a
+row's output is bitwise the same in any batch (tests/test_quantize.py checks it): a 16-token
+verification computes what 16 one-token decoding steps compute. The target's attention runs row by row
+for the same reason (rowwise_attention). A quantized target is its own reference: speculative methods
+are lossless with respect to the target as it runs. (The first version used fbgemm's dynamic int8
+linear, which quantizes a whole call with one scale; making it batch-invariant took a per-row
+normalisation and an appended +-1 row, about ten small ops per layer call.)
 
 Activation outliers. Per-token activation quantization alone loses a lot on this model: a few input
 channels are 10-100x the median, and the rest then get few levels. So, as in SmoothQuant, each input
 channel j is divided by s_j = peak|x_j|^a / peak|W_j|^(1-a) (a = 0.7; peaks measured once, at load
 time, on a fixed calibration text) and the weight's column j multiplied by it: the same product, with
 the difficulty moved from activations to weights. Greedy agreement with fp32, teacher-forced on three
-GSM8K prompts and their answers (437 positions): weights-only int8 97%, plain per-token int8 81%,
-smoothed 92%.
+GSM8K prompts and their answers (437 positions; measured with the fbgemm version): weights-only int8
+97%, plain per-token int8 81%, smoothed 92%.
 """
 from __future__ import annotations
-
-import warnings
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from .errors import D3DError
+from .int8_kernel import load_kernel, pack_int8
 
 QUANTIZE_MODES = ("int8",)
 SMOOTH_ALPHA = 0.7
@@ -45,38 +42,28 @@ KEEP_WEIGHT = ("output", "fc")  # LM head (drafters borrow its rows; tied: no ex
 
 
 class Int8Linear(nn.Module):
-    """nn.Linear replacement: fbgemm-packed int8 weight (per-row scales), batch-invariant per-token
-    activation quantization (see the module doc), fp32 bias added after scaling back."""
+    """nn.Linear replacement: int8 weight packed for d3d.int8_kernel (per-row scales), per-token int8
+    activations (see the module doc), SmoothQuant channel scaling, fp32 bias added after scaling back."""
 
     def __init__(self, linear: nn.Linear, keep_weight: bool = False, input_peak: torch.Tensor | None = None):
         super().__init__()
+        load_kernel()
         w = linear.weight.detach().float()
-        self.smooth = None
+        smooth = None
         if input_peak is not None:
             s = input_peak.clamp_min(1e-5) ** SMOOTH_ALPHA / w.abs().amax(0).clamp_min(1e-5) ** (1 - SMOOTH_ALPHA)
             s = s.clamp_min(1e-5)
-            w, self.smooth = w * s, 1 / s
-        scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-12).double()
-        with warnings.catch_warnings():  # quantized tensors are deprecated upstream; pinned torch has them
-            warnings.simplefilter("ignore")
-            q = torch.quantize_per_channel(w, scale, torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8)
-        self.packed = torch.ops.quantized.linear_prepack(q, None)
-        self.bias = None if linear.bias is None else linear.bias.detach().float()
+            w, smooth = w * s, (1 / s).float().contiguous()
+        packed, w_sum, w_scale = pack_int8(w)
+        bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+        # buffers, not plain attributes: torch.compile then takes their shapes as fixed
+        for name, t in (("packed", packed), ("w_sum", w_sum), ("w_scale", w_scale), ("smooth", smooth), ("bias", bias)):
+            self.register_buffer(name, t, persistent=False)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight if keep_weight else None
-        anchor = torch.zeros(1, self.in_features)
-        anchor[0, :2] = torch.tensor([1.0, -1.0])
-        self.anchor = anchor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if self.smooth is not None:
-            rows = rows * self.smooth
-        peak = torch.linalg.vector_norm(rows, float("inf"), dim=1, keepdim=True).clamp_min_(1e-12)  # max |x|
-        y = torch.ops.quantized.linear_dynamic(torch.cat([rows / peak, self.anchor]), self.packed, True)[:-1] * peak
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
+        return torch.ops.d3d.int8_linear(x, self.packed, self.w_sum, self.w_scale, self.smooth, self.bias)
 
 
 @torch.no_grad()
@@ -132,7 +119,7 @@ def quantize_int8(model: nn.Module, tokenizer, batch_invariant: bool = True) -> 
     row by row (rowwise_attention), so that a verification pass computes bitwise what decoding
     computes; a drafter does not need it."""
     if next(model.parameters()).device.type != "cpu":
-        raise D3DError("--quantize int8 runs on the CPU (fbgemm); use --device cpu")
+        raise D3DError("--quantize int8 runs on the CPU; use --device cpu")
     peaks = input_peaks(model, tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False))
     for name, module in list(model.named_modules()):
         for child, layer in list(module.named_children()):
