@@ -99,7 +99,7 @@ def test_int8_agrees_with_fp32_on_fp32_answers(smol, int8_target, prompt_ids):
             logits.append(model(torch.tensor([seq]))[0, len(ids) - 1:-1].argmax(-1))
         agree.append(logits[0] == logits[1])
     rate = torch.cat(agree).float().mean().item()
-    assert rate >= 0.8, rate  # measured 0.89 over the 7 test prompts (0.77-0.94 each)
+    assert rate >= 0.8, rate  # measured 0.93 over the 7 test prompts (fbgemm version: 0.89)
 
 
 @pytest.mark.parametrize("method", ["ngram", "d3d", "d3d-async"])
