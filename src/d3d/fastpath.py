@@ -58,15 +58,15 @@ def compile_decode(model: Transformer) -> Transformer:
     """Compile `model`'s forward passes over one sequence with torch.compile (inductor, C++ wrapper,
     weights frozen as constants): one graph for a one-token decoding step (with the LM head), one for
     the layers over 2 or more tokens under any attention mask (prefill, verification, token trees).
-    Hidden-state taps (DFlash) and batches stay eager. Returns `model`, compiled and warmed up (about a
-    minute on a 2-core CPU, in every process: frozen weights keep inductor from caching it).
+    Hidden-state taps (DFlash) and batches stay eager. Returns `model`, compiled and warmed up (1-2
+    minutes on a 2-core CPU, in every process: frozen weights keep inductor from caching it).
 
     Why: on a CPU, eager decoding spends a quarter of each step on hundreds of small ops between the
     matrix products; inductor fuses them into a few C++ loops. The KV cache length and the number of
     tokens are symbolic, so each graph serves every length (positions >= COMPILED_MIN_START); guards
-    are skipped at call time because each graph is the only entry. The graphs are bound to the KV cache they were
-    compiled with, so that cache is allocated here for the model's whole context and kept by later
-    setup_cache calls (one that replaces it turns the compiled step off). The weights are baked in:
+    are skipped at call time because each graph is the only entry. The graphs are bound to the KV
+    cache they were compiled with, so that cache is allocated here for the model's whole context and
+    kept by later setup_cache calls (one that replaces it turns the compiled graphs off). The weights are baked in:
     compile after any change to them (quantization, pruning), never before. fp32 CPU only."""
     p = next(model.parameters())
     # not int8: the compiled step's fused norms round a few activations to other int8 levels than the eager,
@@ -84,7 +84,6 @@ def compile_decode(model: Transformer) -> Transformer:
     model.compiled_warm = False
     try:
         from torch._inductor import config as inductor_config
-
         from torch.fx.experimental import _config as shape_config
 
         # no duck shaping: a width equal to some other size at warm-up (e.g. 3 KV heads) would be tied to it
