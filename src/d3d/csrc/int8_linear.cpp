@@ -72,7 +72,8 @@ void block_rows(int64_t mb, Args... args) {
   }
 }
 
-// Row m of x (times smooth) as u8 = round(v / scale) + 128 over Kp slots (padding: 128, i.e. zero).
+// Row m of x (times smooth) as u8 = round(v * (1 / scale)) + 128, scale = max|v| / 127, over Kp slots
+// (padding: 128, i.e. zero). Rounding is to nearest even.
 float quantize_row(const float* row, const float* smooth, int64_t K, int64_t Kp, uint8_t* q) {
   float peak = 0.f;
   for (int64_t k = 0; k < K; ++k) peak = std::max(peak, std::fabs(smooth ? row[k] * smooth[k] : row[k]));
