@@ -86,6 +86,26 @@ def test_int8_target_verification_rows_equal_decoding_steps(int8_target, prompt_
 
 
 @torch.no_grad()
+def test_int8_token_tree_rows_equal_decoding_each_branch(int8_target, prompt_ids):
+    """A token tree (root a; children b and c, both at the next position; d under c) through the int8
+    layers: each row is bitwise the one-token step at the end of its branch."""
+    model = int8_target[0]
+    prefix, (a, b, c, d) = prompt_ids[1], (9, 1029, 418, 2600)
+    n = len(prefix)
+    model.setup_cache(1, n + 8)
+    model(torch.tensor([prefix]))
+    mask = torch.zeros(4, n + 4, dtype=torch.bool)
+    mask[:, :n] = True
+    for row, seen in enumerate(([0], [0, 1], [0, 2], [0, 2, 3])):
+        mask[row, [n + s for s in seen]] = True
+    tree = model(torch.tensor([[a, b, c, d]]), mask=mask[None, None], positions=torch.tensor([n, n + 1, n + 1, n + 2]))[0]
+    for branch, rows in (([a, b], [0, 1]), ([a, c, d], [0, 2, 3])):
+        model.rollback(n)
+        steps = torch.cat([model(torch.tensor([[t]]))[0] for t in branch])
+        assert torch.equal(tree[rows], steps)
+
+
+@torch.no_grad()
 def test_int8_agrees_with_fp32_on_fp32_answers(smol, int8_target, prompt_ids):
     """Teacher-forced on fp32's own greedy answers: int8's greedy token is fp32's at most positions."""
     fp32, tok, model_dir = smol
@@ -102,7 +122,7 @@ def test_int8_agrees_with_fp32_on_fp32_answers(smol, int8_target, prompt_ids):
     assert rate >= 0.8, rate  # measured 0.93 over the 7 test prompts (fbgemm version: 0.89)
 
 
-@pytest.mark.parametrize("method", ["ngram", "d3d", "d3d-async"])
+@pytest.mark.parametrize("method", ["ngram", "d3d", "d3d-async", "d3d-tree"])
 def test_int8_speculative_methods_equal_int8_plain_decoding(int8_target, prompt_ids, method):
     model, tok, model_dir = int8_target
     ar = make_runner("ar", model, tok, model_dir)

@@ -21,7 +21,8 @@ import torch
 
 from .errors import D3DError
 
-SOURCE = Path(__file__).parent / "csrc" / "int8_linear.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "int8_linear.cpp", CSRC / "int8_layer.cpp"]
 LANES = 16  # outputs per packed block (one 512-bit register of int32 sums)
 
 
@@ -41,8 +42,10 @@ def load_kernel() -> None:
     from torch.utils.cpp_extension import load
 
     try:
-        load(name=f"d3d_int8_{_machine_tag()}", sources=[str(SOURCE)], is_python_module=False,
-             extra_cflags=["-O3", "-march=native", "-ffp-contract=off"], verbose=False)
+        load(name=f"d3d_int8_{_machine_tag()}", sources=[str(s) for s in SOURCES], extra_include_paths=[str(CSRC)],
+             is_python_module=False,
+             extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
+             verbose=False)
     except (RuntimeError, OSError, ImportError) as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise D3DError(f"--quantize int8 builds a small C++ kernel and needs a C++ compiler and ninja: {msg}") from None

@@ -5,12 +5,13 @@ input row per token (symmetric int8 with its own scale), and d3d's own kernel (d
 the integer products exactly: a quarter of fp32's bytes, which is what decoding is bound by on a CPU.
 
 Batch invariance. Every row is quantized and multiplied on its own and the integer sums are exact, so a
-row's output is bitwise the same in any batch (tests/test_quantize.py checks it): a 16-token
-verification computes what 16 one-token decoding steps compute. The target's attention runs row by row
-for the same reason (rowwise_attention). A quantized target is its own reference: speculative methods
-are lossless with respect to the target as it runs. (The first version used fbgemm's dynamic int8
-linear, which quantizes a whole call with one scale; making it batch-invariant took a per-row
-normalisation and an appended +-1 row, about ten small ops per layer call.)
+row's output is bitwise the same in any batch (tests/test_quantize.py checks it). The rest of a target
+layer (norms, rotary embedding, attention, SiLU) runs row by row in C++ too, one call per layer
+(torch.ops.d3d.int8_layer, csrc/int8_layer.cpp): a 16-token verification or a token tree computes what
+16 one-token decoding steps compute. A quantized target is its own reference: speculative methods are
+lossless with respect to the target as it runs. (The first version used fbgemm's dynamic int8 linear,
+which quantizes a whole call with one scale, plus about ten small ops per layer call to make it
+batch-invariant, and attention as one SDPA call per row.)
 
 Activation outliers. Per-token activation quantization alone loses a lot on this model: a few input
 channels are 10-100x the median, and the rest then get few levels. So, as in SmoothQuant, each input
@@ -86,38 +87,23 @@ def input_peaks(model: nn.Module, tokens: list[int]) -> dict[str, torch.Tensor]:
     return peaks
 
 
-def row_keys(mask: torch.Tensor, T: int, L: int) -> list[int | torch.Tensor]:
-    """For each of T query rows of a bool mask [..., T, L] (batch 1), the keys it sees: n for the
-    prefix 0..n-1, else their indices. Computed once per forward for every rowwise layer."""
-    keep = mask.reshape(T, L)
-    out: list[int | torch.Tensor] = []
-    for row in keep:
-        seen = row.nonzero()[:, 0]
-        n = len(seen)
-        out.append(n if n and int(seen[-1]) == n - 1 else seen)
-    return out
-
-
-def rowwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: list[int | torch.Tensor],
-                      gqa: bool) -> torch.Tensor:
-    """Attention of each query row on its own, over exactly the keys it may see (row_keys), with the
-    same kernel call as a one-token decoding step. A row's output is then bitwise what plain decoding
-    computes at that position, whatever else is in the batch."""
-    rows = []
-    for i, seen in enumerate(keys):
-        if isinstance(seen, int):  # a prefix: a view, as the decoding step reads its cache
-            ki, vi = k[:, :, :seen], v[:, :, :seen]
-        else:
-            ki, vi = k[:, :, seen], v[:, :, seen]
-        rows.append(F.scaled_dot_product_attention(q[:, :, i:i + 1], ki, vi, enable_gqa=gqa))
-    return torch.cat(rows, dim=2)
+def layer_params(block: nn.Module) -> list[torch.Tensor]:
+    """The tensors of one quantized target layer (d3d.target.Block) in torch.ops.d3d.int8_layer's order
+    (csrc/int8_layer.cpp); an empty tensor stands for an absent norm, smoothing or bias."""
+    none = torch.empty(0)
+    att = block.attention
+    params = [block.attention_norm.weight, block.ffn_norm.weight,
+              att.q_norm.weight if att.q_norm is not None else none, att.k_norm.weight if att.k_norm is not None else none]
+    for lin in (att.wqkv, att.wo, block.feed_forward.w13, block.feed_forward.w2):
+        params += [lin.packed, lin.w_sum, lin.w_scale] + [none if t is None else t for t in (lin.smooth, lin.bias)]
+    return [t.detach().contiguous() for t in params]
 
 
 def quantize_int8(model: nn.Module, tokenizer, batch_invariant: bool = True) -> nn.Module:
-    """Replace every nn.Linear of `model` (CPU only; its KV cache not yet set up) by an Int8Linear
-    smoothed on CALIBRATION_TEXT, in place; returns `model`. batch_invariant: also make its attention
-    row by row (rowwise_attention), so that a verification pass computes bitwise what decoding
-    computes; a drafter does not need it."""
+    """Replace every nn.Linear of `model` (CPU only) by an Int8Linear smoothed on CALIBRATION_TEXT, in
+    place; returns `model`. batch_invariant (a d3d.target.Transformer): its layers then run as one
+    torch.ops.d3d.int8_layer call each, row by row, so that a verification pass computes bitwise what
+    decoding computes; a drafter does not need it."""
     if next(model.parameters()).device.type != "cpu":
         raise D3DError("--quantize int8 runs on the CPU; use --device cpu")
     peaks = input_peaks(model, tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False))
@@ -126,8 +112,8 @@ def quantize_int8(model: nn.Module, tokenizer, batch_invariant: bool = True) -> 
             if isinstance(layer, nn.Linear):
                 full = f"{name}.{child}" if name else child
                 setattr(module, child, Int8Linear(layer, keep_weight=full in KEEP_WEIGHT, input_peak=peaks.get(full)))
-        if hasattr(module, "rowwise"):
-            module.rowwise = batch_invariant
+    if batch_invariant and hasattr(model, "int8_layers"):
+        model.int8_layers = [layer_params(layer) for layer in model.layers]
     model.quantized = "int8"
     return model
 

@@ -14,7 +14,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .errors import D3DError
-from .quantize import row_keys, rowwise_attention
 
 COMPILED_MIN_START = 2  # dynamo specialises the integers 0 and 1: a step at those positions runs eagerly
 
@@ -103,7 +102,6 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(a.head_dim, a.norm_eps) if a.qk_norm else None
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
-        self.rowwise = False  # batch-invariant attention (set by d3d.quantize; see rowwise_attention)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Rotary queries, keys and values [B, heads, T, head_dim] of input x [B, T, dim] (already normed)."""
@@ -125,11 +123,7 @@ class Attention(nn.Module):
             self.k_cache[:B, :, start:start + T] = k
             self.v_cache[:B, :, start:start + T] = v
             k, v = self.k_cache[:B, :, :start + T], self.v_cache[:B, :, :start + T]
-        gqa = a.n_kv_heads != a.n_heads
-        if isinstance(mask, list):
-            y = rowwise_attention(q, k, v, mask, gqa)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=a.n_kv_heads != a.n_heads)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -179,6 +173,7 @@ class Transformer(nn.Module):
         self.compiled_layers = None
         self.compiled_cache: torch.Tensor | None = None
         self.compiled_warm = False  # guards are checked until each graph has been compiled once
+        self.int8_layers: list[list[torch.Tensor]] | None = None  # set by d3d.quantize: layers run in C++
 
     def setup_cache(self, max_batch: int = 1, max_len: int | None = None) -> None:
         a = self.args
@@ -227,13 +222,13 @@ class Transformer(nn.Module):
             raise D3DError(f"sequence of {start + T} tokens exceeds the KV cache ({self.cache_size})")
         if positions is None:
             positions = torch.arange(start, start + T, device=tokens.device)
+        if self.int8_layers is not None and cached and tokens.shape[0] == 1:
+            return self._int8_hidden(tokens, mask, positions, start, hidden_layers)
         cos, sin = self.rope(positions)
         if cos.dim() == 3:
             cos, sin = cos[:, None], sin[:, None]
         if mask is None and T > 1:
             mask = torch.ones(T, start + T, dtype=torch.bool, device=tokens.device).tril(start)
-        if T > 1 and tokens.shape[0] == 1 and len(self.layers) and self.layers[0].attention.rowwise:
-            mask = row_keys(mask, T, start + T)
         x = self.embed(tokens)
         taps = []
         if self._compiled_for(tokens) and T > 1 and hidden_layers is None and cos.dim() == 2 \
@@ -247,6 +242,23 @@ class Transformer(nn.Module):
                     taps.append(x)
         if cached:
             self.cache_len = start + T
+        return x, taps
+
+    def _int8_hidden(self, tokens: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, start: int,
+                     hidden_layers: list[int] | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """hidden() of a quantized target: each layer is one torch.ops.d3d.int8_layer call, every row
+        computed on its own (batch-invariant: see csrc/int8_layer.cpp)."""
+        T, a = tokens.shape[1], self.args
+        if mask is not None:
+            mask = mask.reshape(T, start + T)
+        x, taps = self.embed(tokens), []
+        for i, (layer, params) in enumerate(zip(self.layers, self.int8_layers)):
+            att = layer.attention
+            x = torch.ops.d3d.int8_layer(x, params, att.k_cache, att.v_cache, self.inv_freq, positions.reshape(T),
+                                         mask, start, a.n_heads, a.norm_eps)
+            if hidden_layers is not None and i in hidden_layers:
+                taps.append(x)
+        self.cache_len = start + T
         return x, taps
 
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,

@@ -2,8 +2,9 @@
 // q[m] is row m of x * smooth quantized to symmetric int8 with its own scale x_scale[m]. Each output row
 // depends on its own input row only and the integer sums are exact, so a row's result is bitwise the same
 // whatever else is in the batch. Weights come packed for VNNI: [N/16][K/4][16][4] int8 (pack_int8).
+#include "int8.h"
+
 #include <torch/library.h>
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
@@ -85,7 +86,9 @@ float quantize_row(const float* row, const float* smooth, int64_t K, int64_t Kp,
   return s;
 }
 
-at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& w, const at::Tensor& w_sum, const at::Tensor& w_scale,
+}  // namespace
+
+at::Tensor d3d::int8_linear(const at::Tensor& x_, const at::Tensor& w, const at::Tensor& w_sum, const at::Tensor& w_scale,
                        const std::optional<at::Tensor>& smooth_, const std::optional<at::Tensor>& bias_) {
   TORCH_CHECK(x_.scalar_type() == at::kFloat && w.scalar_type() == at::kChar && w.dim() == 4 && w.is_contiguous(),
               "int8_linear takes float activations and weights packed by pack_int8");
@@ -116,10 +119,10 @@ at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& w, const at::Tens
   return y.view(shape);
 }
 
-}  // namespace
-
 TORCH_LIBRARY(d3d, m) {
   m.def("int8_linear(Tensor x, Tensor w, Tensor w_sum, Tensor w_scale, Tensor? smooth, Tensor? bias) -> Tensor");
+  m.def("int8_layer(Tensor x, Tensor[] params, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor inv_freq, "
+        "Tensor positions, Tensor? mask, int start, int n_heads, float eps) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(d3d, CPU, m) { m.impl("int8_linear", &int8_linear); }
+TORCH_LIBRARY_IMPL(d3d, CPU, m) { m.impl("int8_linear", &d3d::int8_linear); }
