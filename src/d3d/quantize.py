@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .errors import D3DError
 from .int8_kernel import load_kernel, pack_int8

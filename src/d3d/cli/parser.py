@@ -27,7 +27,7 @@ def _add_target_args(p: argparse.ArgumentParser, device: bool = True) -> None:
         p.add_argument("--block-size", type=int, default=16, help="tokens verified per target forward")
         p.add_argument("--device", default="cpu")
         p.add_argument("--quantize", choices=["int8"], default=None,
-                       help="int8 weights for target and drafter (CPU, fbgemm); default: fp32")
+                       help="int8 weights for target and drafter (CPU, d3d's own kernels); default: fp32")
         p.add_argument("--compile", action="store_true",
                        help="compile the target's forward passes (torch.compile; fp32 CPU; 1-2 min at start)")
 
