@@ -114,26 +114,53 @@ at::Tensor linear(const at::Tensor& x, at::TensorList p, int64_t i) {
   return d3d::int8_linear(x, p[b], p[b + 1], p[b + 2], given(p[b + 3]), given(p[b + 4]));
 }
 
-// Attention of query row `i`, head `h`, over the keys it may see, in cache order: with a mask row, those
-// it marks; else the causal prefix 0..start + i. out[D] = softmax(q.k / sqrt(D)) . v.
+// out[D] += s * v[D] for each visible key in turn (keys[t], or t itself without a key list), with the sums
+// held in registers where D is a multiple of 16 up to 128: per element the same additions in the same order.
+template <int64_t DV>
+void weighted_sum(const float* scores, const int64_t* keys, int64_t n, const float* vc, int64_t D, float* out) {
+#ifdef __AVX512F__
+  if constexpr (DV > 0) {
+    __m512 acc[DV];
+    for (int64_t c = 0; c < DV; ++c) acc[c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; ++t) {
+      const float* v = vc + (keys ? keys[t] : t) * D;
+      const __m512 s = _mm512_set1_ps(scores[t]);
+      for (int64_t c = 0; c < DV; ++c) acc[c] = _mm512_add_ps(acc[c], _mm512_mul_ps(s, _mm512_loadu_ps(v + c * LANES)));
+    }
+    for (int64_t c = 0; c < DV; ++c) _mm512_storeu_ps(out + c * LANES, acc[c]);
+    return;
+  }
+#endif
+  std::fill(out, out + D, 0.f);
+  for (int64_t t = 0; t < n; ++t) {
+    const float* v = vc + (keys ? keys[t] : t) * D;
+    for (int64_t d = 0; d < D; ++d) out[d] += scores[t] * v[d];
+  }
+}
+
+// Attention of one query row and head over the keys it may see, in cache order: with a mask row, those
+// it marks; else the causal prefix 0..n_keys - 1. out[D] = softmax(q.k / sqrt(D)) . v.
 void attend_row(const float* q, const float* kc, const float* vc, const bool* mask_row, int64_t n_keys,
                 int64_t D, float* scores, int64_t* keys, float* out) {
-  int64_t n = 0;
-  for (int64_t j = 0; j < n_keys; ++j)
-    if (!mask_row || mask_row[j]) keys[n++] = j;
+  int64_t n = n_keys;
+  if (mask_row) {
+    n = 0;
+    for (int64_t j = 0; j < n_keys; ++j)
+      if (mask_row[j]) keys[n++] = j;
+  } else {
+    keys = nullptr;
+  }
   const float scale = 1.f / std::sqrt(float(D));
   float peak = -std::numeric_limits<float>::infinity();
   for (int64_t t = 0; t < n; ++t) {
-    scores[t] = dot(q, kc + keys[t] * D, D) * scale;
+    scores[t] = dot(q, kc + (keys ? keys[t] : t) * D, D) * scale;
     peak = std::max(peak, scores[t]);
   }
   for (int64_t t = 0; t < n; ++t) scores[t] = exp_approx(scores[t] - peak);
   const float total = sum(scores, n);
-  std::fill(out, out + D, 0.f);
-  for (int64_t t = 0; t < n; ++t) {
-    const float* v = vc + keys[t] * D;
-    for (int64_t d = 0; d < D; ++d) out[d] += scores[t] * v[d];
-  }
+  if (D == 64) weighted_sum<4>(scores, keys, n, vc, D, out);
+  else if (D == 128) weighted_sum<8>(scores, keys, n, vc, D, out);
+  else weighted_sum<0>(scores, keys, n, vc, D, out);
   const float inv = n ? 1.f / total : 0.f;
   for (int64_t d = 0; d < D; ++d) out[d] *= inv;
 }
