@@ -1,13 +1,15 @@
-"""Does `--compile` keep the outputs? Teacher-forced on the committed plain-decoding answers.
+"""Do the runtimes keep the outputs? Teacher-forced on the committed plain-decoding answers.
 
 For every first-turn prompt of results/bench_full_t0_cpu.json (plain decoding's greedy answers, 256
-tokens, made by an earlier eager runtime), the compiled target is fed the prompt and then the committed
-answer, and its greedy choice at every position is compared with the committed next token, through
-both compiled graphs: one token at a time (the decoding step), and the whole answer in one forward
-(the multi-token graph, after two eagerly fed tokens). The eager runtime is checked the same way as a
-reference. Slow (about 10 minutes at one thread), hence a script and not a test.
+tokens, made by an earlier eager runtime), each runtime is fed the prompt and then the committed answer,
+and its greedy choice at every position is compared with the committed next token, one token at a time
+(the decoding step) and the whole answer in one forward (after two tokens). Runtimes: `pytorch` (the
+layers as PyTorch modules, the runtime that made the answers), `cpu` (the default: one C++ call per
+layer, d3d.kernels), `compiled` (`--compile`: two inductor graphs). Slow (about 5 minutes per runtime at
+one thread), hence a script and not a test.
 
     python scripts/compiled_outputs_check.py --threads 1 --out results/compiled_outputs_cpu.json
+    python scripts/compiled_outputs_check.py --runtimes pytorch,cpu --threads 2 --out results/cpu_layers_outputs_cpu.json
 """
 from __future__ import annotations
 
@@ -64,17 +66,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--limit", type=int, default=None, help="check only the first N prompts")
+    ap.add_argument("--runtimes", default="pytorch,compiled", help="comma-separated: pytorch, cpu, compiled")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    eager, tok, _ = load_target(None)
-    t0 = time.perf_counter()
-    compiled, _, _ = load_target(None, compile=True)
-    compile_s = time.perf_counter() - t0
+    runtimes, compile_s = {}, None
+    for name in args.runtimes.split(","):
+        t0 = time.perf_counter()
+        runtimes[name], tok, _ = load_target(None, compile=name == "compiled")
+        if name == "compiled":
+            compile_s = round(time.perf_counter() - t0, 1)
+        elif name == "pytorch":
+            runtimes[name].cpu_layers = runtimes[name].cpu_head = None
+        elif name != "cpu":
+            raise SystemExit(f"unknown runtime {name!r}")
     rows = []
     for benchmark, index, prompt, answer in committed_answers(tok)[:args.limit]:
         row = {"benchmark": benchmark, "prompt_index": index, "positions": len(answer)}
-        for name, model in (("eager", eager), ("compiled", compiled)):
+        for name, model in runtimes.items():
             for how, fn in (("stepwise", stepwise), ("whole", whole)):
                 row[f"{name}_{how}_mismatches"] = sum(a != b for a, b in zip(fn(model, prompt, answer), answer))
         rows.append(row)
@@ -83,8 +92,8 @@ def main() -> None:
     summary = {k: sum(r[k] for r in rows) for k in keys}
     summary["positions"] = sum(r["positions"] for r in rows)
     summary["prompts"] = len(rows)
-    atomic_write_json(Path(args.out), {"machine": machine_info("cpu"), "command": "python scripts/compiled_outputs_check.py "
-                                       f"--threads {args.threads} --out {args.out}", "compile_s": round(compile_s, 1),
+    command = f"python scripts/compiled_outputs_check.py --runtimes {args.runtimes} --threads {args.threads} --out {args.out}"
+    atomic_write_json(Path(args.out), {"machine": machine_info("cpu"), "command": command, "compile_s": compile_s,
                                        "summary": summary, "per_prompt": rows})
     print(json.dumps(summary))
 

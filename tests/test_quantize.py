@@ -1,8 +1,8 @@
-"""The decode weight layout keeps the model's values, and `--quantize int8` stays lossless.
+"""The CPU weight layouts keep the model's values, and the CPU layers (d3d.kernels) are batch-invariant.
 
-int8: every row of a verification pass is bitwise what a one-token decoding step computes at that
-position (batch invariance), so speculative methods on the quantized target give exactly its plain
-decoding; the quantized model stays close to fp32.
+fp32 and int8: every row of a verification pass or a token tree is bitwise what a one-token decoding
+step computes at that position, so speculative methods give exactly plain decoding; the int8 model stays
+close to fp32.
 """
 from __future__ import annotations
 
@@ -54,11 +54,11 @@ def test_int8_linear_is_batch_invariant_and_close_to_fp32():
 
 @pytest.mark.parametrize("n, k", [(96, 64), (50, 30)])  # whole blocks; ragged rows and columns (padding)
 def test_int8_kernel_equals_integer_math(n, k):
-    """d3d.int8_kernel's operator is exactly the integer product of per-row int8 activations and weights,
+    """d3d.kernels' int8 operator is exactly the integer product of per-row int8 activations and weights,
     scaled back: compared with the same quantization computed in float64 by torch."""
-    from d3d.int8_kernel import load_kernel, pack_int8
+    from d3d.kernels import load_kernels, pack_int8
 
-    load_kernel()
+    load_kernels()
     torch.manual_seed(0)
     w, x, smooth, bias = torch.randn(n, k), torch.randn(5, k) * 3, torch.rand(k) + 0.5, torch.randn(n)
     packed, w_sum, w_scale = pack_int8(w)
@@ -72,9 +72,17 @@ def test_int8_kernel_equals_integer_math(n, k):
     assert (w_sum == wq.sum(1).int()).all()
 
 
+@pytest.fixture(params=["fp32", "int8"])
+def cpu_target(request, smol):
+    """The default target on the CPU layers (torch.ops.d3d.layer), in fp32 and in int8."""
+    model = smol[0] if request.param == "fp32" else request.getfixturevalue("int8_target")[0]
+    assert model.cpu_layers is not None
+    return model
+
+
 @torch.no_grad()
-def test_int8_target_verification_rows_equal_decoding_steps(int8_target, prompt_ids):
-    model = int8_target[0]
+def test_verification_rows_equal_decoding_steps(cpu_target, prompt_ids):
+    model = cpu_target
     tokens = prompt_ids[0]
     prefix, feed = tokens[:-16], tokens[-16:]
     model.setup_cache(1, len(tokens) + 8)
@@ -86,10 +94,10 @@ def test_int8_target_verification_rows_equal_decoding_steps(int8_target, prompt_
 
 
 @torch.no_grad()
-def test_int8_token_tree_rows_equal_decoding_each_branch(int8_target, prompt_ids):
-    """A token tree (root a; children b and c, both at the next position; d under c) through the int8
-    layers: each row is bitwise the one-token step at the end of its branch."""
-    model = int8_target[0]
+def test_token_tree_rows_equal_decoding_each_branch(cpu_target, prompt_ids):
+    """A token tree (root a; children b and c, both at the next position; d under c): each row is
+    bitwise the one-token step at the end of its branch."""
+    model = cpu_target
     prefix, (a, b, c, d) = prompt_ids[1], (9, 1029, 418, 2600)
     n = len(prefix)
     model.setup_cache(1, n + 8)
@@ -103,6 +111,42 @@ def test_int8_token_tree_rows_equal_decoding_each_branch(int8_target, prompt_ids
         model.rollback(n)
         steps = torch.cat([model(torch.tensor([[t]]))[0] for t in branch])
         assert torch.equal(tree[rows], steps)
+
+
+def test_fp32_kernel_equals_float64_math_and_is_batch_invariant():
+    from d3d.kernels import load_kernels, pack_fp32
+
+    load_kernels()
+    torch.manual_seed(0)
+    w, bias, x = torch.randn(128, 75), torch.randn(128), torch.randn(9, 75)
+    y = torch.ops.d3d.fp32_linear(x, pack_fp32(w), bias)
+    assert torch.allclose(y.double(), x.double() @ w.double().T + bias.double(), rtol=1e-5, atol=1e-4)
+    for i in range(9):
+        assert torch.equal(y[i], torch.ops.d3d.fp32_linear(x[i:i + 1], pack_fp32(w), bias)[0])
+    assert pack_fp32(torch.randn(100, 8)) is None  # not whole groups of 64 outputs: the model stays on PyTorch
+
+
+@torch.no_grad()
+def test_cpu_layers_follow_weight_updates_and_leave_autograd_alone(prompt_ids):
+    """fp32 weights changed in place (an optimizer step) are repacked before the next forward; with
+    autograd on trainable weights the forward runs in PyTorch, so gradients flow."""
+    model = load_target(None)[0]
+    ids = torch.tensor([prompt_ids[0]])
+    model.setup_cache(1, ids.shape[1] + 4)
+    before = model(ids)[0, -1]
+    model.layers[3].feed_forward.w2.weight.mul_(0.5)
+    model.setup_cache(1, ids.shape[1] + 4)
+    after = model(ids)[0, -1]
+    saved, model.cpu_layers = model.cpu_layers, None  # the same forward in PyTorch
+    model.setup_cache(1, ids.shape[1] + 4)
+    reference = model(ids)[0, -1]
+    model.cpu_layers = saved
+    assert not torch.equal(before, after) and (after - reference).abs().max() < 1e-3
+    model.output.weight.requires_grad_(True)
+    with torch.enable_grad():
+        model.setup_cache(1, ids.shape[1] + 4)
+        model(ids)[0, -1].sum().backward()
+    assert model.output.weight.grad is not None
 
 
 @torch.no_grad()

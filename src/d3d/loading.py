@@ -10,6 +10,7 @@ import torch
 from .checkpoints import load_state_dict, load_tokenizer, read_hf_config, resolve_target
 from .errors import D3DError
 from .fastpath import compile_decode, pack_linears
+from .kernels import kernels_available
 from .target import ModelArgs, Transformer, rope_frequencies
 
 LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3"}
@@ -47,7 +48,10 @@ def load_runtime(model_dir: Path, device: str = "cpu", max_seq_len: int | None =
         model = Transformer(a)
     model.load_state_dict(_hf_to_runtime(load_state_dict(model_dir), a), assign=True, strict=True)
     model.inv_freq = rope_frequencies(a)
-    return pack_linears(model.to(device).eval().requires_grad_(False))
+    model = pack_linears(model.to(device).eval().requires_grad_(False))
+    if model.output.weight.device.type == "cpu" and kernels_available():
+        model.pack_cpu_layers()
+    return model
 
 
 def load_target(target: str | None = None, device: str = "cpu", max_seq_len: int | None = None,

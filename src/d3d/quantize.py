@@ -1,13 +1,13 @@
 """`--quantize int8`: int8 weights for the target and its drafter on the CPU, like llama.cpp's Q8_0.
 
 Each linear layer's weight is quantized per output row (symmetric, scale = max|w| / 127) and each
-input row per token (symmetric int8 with its own scale), and d3d's own kernel (d3d.int8_kernel) sums
+input row per token (symmetric int8 with its own scale), and d3d's own kernel (d3d.kernels) sums
 the integer products exactly: a quarter of fp32's bytes, which is what decoding is bound by on a CPU.
 
 Batch invariance. Every row is quantized and multiplied on its own and the integer sums are exact, so a
 row's output is bitwise the same in any batch (tests/test_quantize.py checks it). The rest of a target
 layer (norms, rotary embedding, attention, SiLU) runs row by row in C++ too, one call per layer
-(torch.ops.d3d.int8_layer, csrc/int8_layer.cpp): a 16-token verification or a token tree computes what
+(torch.ops.d3d.layer, csrc/layer.cpp): a 16-token verification or a token tree computes what
 16 one-token decoding steps compute. A quantized target is its own reference: speculative methods are
 lossless with respect to the target as it runs. (The first version used fbgemm's dynamic int8 linear,
 which quantizes a whole call with one scale, plus about ten small ops per layer call to make it
@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from .errors import D3DError
-from .int8_kernel import load_kernel, pack_int8
+from .kernels import load_kernels, pack_int8
 
 QUANTIZE_MODES = ("int8",)
 SMOOTH_ALPHA = 0.7
@@ -42,12 +42,12 @@ KEEP_WEIGHT = ("output", "fc")  # LM head (drafters borrow its rows; tied: no ex
 
 
 class Int8Linear(nn.Module):
-    """nn.Linear replacement: int8 weight packed for d3d.int8_kernel (per-row scales), per-token int8
+    """nn.Linear replacement: int8 weight packed for d3d.kernels (per-row scales), per-token int8
     activations (see the module doc), SmoothQuant channel scaling, fp32 bias added after scaling back."""
 
     def __init__(self, linear: nn.Linear, keep_weight: bool = False, input_peak: torch.Tensor | None = None):
         super().__init__()
-        load_kernel()
+        load_kernels()
         w = linear.weight.detach().float()
         smooth = None
         if input_peak is not None:
@@ -86,22 +86,10 @@ def input_peaks(model: nn.Module, tokens: list[int]) -> dict[str, torch.Tensor]:
     return peaks
 
 
-def layer_params(block: nn.Module) -> list[torch.Tensor]:
-    """The tensors of one quantized target layer (d3d.target.Block) in torch.ops.d3d.int8_layer's order
-    (csrc/int8_layer.cpp); an empty tensor stands for an absent norm, smoothing or bias."""
-    none = torch.empty(0)
-    att = block.attention
-    params = [block.attention_norm.weight, block.ffn_norm.weight,
-              att.q_norm.weight if att.q_norm is not None else none, att.k_norm.weight if att.k_norm is not None else none]
-    for lin in (att.wqkv, att.wo, block.feed_forward.w13, block.feed_forward.w2):
-        params += [lin.packed, lin.w_sum, lin.w_scale] + [none if t is None else t for t in (lin.smooth, lin.bias)]
-    return [t.detach().contiguous() for t in params]
-
-
 def quantize_int8(model: nn.Module, tokenizer, batch_invariant: bool = True) -> nn.Module:
     """Replace every nn.Linear of `model` (CPU only) by an Int8Linear smoothed on CALIBRATION_TEXT, in
     place; returns `model`. batch_invariant (a d3d.target.Transformer): its layers then run as one
-    torch.ops.d3d.int8_layer call each, row by row, so that a verification pass computes bitwise what
+    torch.ops.d3d.layer call each, row by row, so that a verification pass computes bitwise what
     decoding computes; a drafter does not need it."""
     if next(model.parameters()).device.type != "cpu":
         raise D3DError("--quantize int8 runs on the CPU; use --device cpu")
@@ -111,8 +99,8 @@ def quantize_int8(model: nn.Module, tokenizer, batch_invariant: bool = True) -> 
             if isinstance(layer, nn.Linear):
                 full = f"{name}.{child}" if name else child
                 setattr(module, child, Int8Linear(layer, keep_weight=full in KEEP_WEIGHT, input_peak=peaks.get(full)))
-    if batch_invariant and hasattr(model, "int8_layers"):
-        model.int8_layers = [layer_params(layer) for layer in model.layers]
+    if batch_invariant and hasattr(model, "pack_cpu_layers"):
+        model.pack_cpu_layers()
     model.quantized = "int8"
     return model
 

@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .errors import D3DError
+from .kernels import layer_params, pack_fp32
 
 COMPILED_MIN_START = 2  # dynamo specialises the integers 0 and 1: a step at those positions runs eagerly
 
@@ -173,7 +174,9 @@ class Transformer(nn.Module):
         self.compiled_layers = None
         self.compiled_cache: torch.Tensor | None = None
         self.compiled_warm = False  # guards are checked until each graph has been compiled once
-        self.int8_layers: list[list[torch.Tensor]] | None = None  # set by d3d.quantize: layers run in C++
+        self.cpu_layers: list[list[torch.Tensor]] | None = None  # torch.ops.d3d.layer's weights (pack_cpu_layers)
+        self.cpu_head: torch.Tensor | None = None  # the LM head packed for fp32_linear
+        self.cpu_packed_from: list[tuple[nn.Module, torch.Tensor, int]] = []  # fp32: (module, weight, version)
 
     def setup_cache(self, max_batch: int = 1, max_len: int | None = None) -> None:
         a = self.args
@@ -205,7 +208,36 @@ class Transformer(nn.Module):
         return self.tok_embeddings(tokens)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_head is not None and self._cpu_ready(x.shape[0], None):
+            return torch.ops.d3d.fp32_linear(self.norm(x), self.cpu_head, None)
         return self.output(self.norm(x))
+
+    def pack_cpu_layers(self) -> None:
+        """Run this model's forward passes over one sequence (batch 1, with a KV cache, no autograd) as one
+        torch.ops.d3d.layer call per layer, on weights packed for d3d's CPU kernels (d3d.kernels): every
+        row is computed on its own, so verification rows and token trees are bitwise what one-token
+        decoding steps compute, and the ~25 small ops of a layer run as one C++ call. fp32 weights are
+        copied into the packed layout (and repacked if they change); int8 (d3d.quantize) are used as they are."""
+        params = [layer_params(layer) for layer in self.layers]
+        if any(p is None for p in params):
+            self.cpu_layers, self.cpu_head, self.cpu_packed_from = None, None, []
+            return
+        self.cpu_layers = params
+        fp32 = isinstance(self.output, nn.Linear)
+        self.cpu_head = pack_fp32(self.output.weight) if fp32 else None
+        linears = [m for m in self.modules() if isinstance(m, nn.Linear)] if fp32 else []
+        self.cpu_packed_from = [(m, m.weight, m.weight._version) for m in linears]
+
+    def _cpu_ready(self, batch: int, mask: torch.Tensor | None) -> bool:
+        """Whether this forward may run on the CPU layers (pack_cpu_layers): one sequence, a bool mask,
+        no gradient needed; fp32 weights changed since packing (an optimizer step) are repacked first."""
+        if self.cpu_layers is None or batch != 1 or (mask is not None and mask.dtype != torch.bool):
+            return False
+        if torch.is_grad_enabled() and any(w.requires_grad for _, w, _ in self.cpu_packed_from):
+            return False
+        if any(m.weight is not w or w._version != v for m, w, v in self.cpu_packed_from):
+            self.pack_cpu_layers()
+        return True
 
     def hidden(self, tokens: torch.Tensor, mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                hidden_layers: list[int] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -222,8 +254,8 @@ class Transformer(nn.Module):
             raise D3DError(f"sequence of {start + T} tokens exceeds the KV cache ({self.cache_size})")
         if positions is None:
             positions = torch.arange(start, start + T, device=tokens.device)
-        if self.int8_layers is not None and cached and tokens.shape[0] == 1:
-            return self._int8_hidden(tokens, mask, positions, start, hidden_layers)
+        if cached and self._cpu_ready(tokens.shape[0], mask):
+            return self._cpu_hidden(tokens, mask, positions, start, hidden_layers)
         cos, sin = self.rope(positions)
         if cos.dim() == 3:
             cos, sin = cos[:, None], sin[:, None]
@@ -244,17 +276,16 @@ class Transformer(nn.Module):
             self.cache_len = start + T
         return x, taps
 
-    def _int8_hidden(self, tokens: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, start: int,
-                     hidden_layers: list[int] | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """hidden() of a quantized target: each layer is one torch.ops.d3d.int8_layer call, every row
-        computed on its own (batch-invariant: see csrc/int8_layer.cpp)."""
+    def _cpu_hidden(self, tokens: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, start: int,
+                    hidden_layers: list[int] | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """hidden() on the CPU layers (pack_cpu_layers): one torch.ops.d3d.layer call per layer."""
         T, a = tokens.shape[1], self.args
         if mask is not None:
             mask = mask.reshape(T, start + T)
         x, taps = self.embed(tokens), []
-        for i, (layer, params) in enumerate(zip(self.layers, self.int8_layers)):
+        for i, (layer, params) in enumerate(zip(self.layers, self.cpu_layers)):
             att = layer.attention
-            x = torch.ops.d3d.int8_layer(x, params, att.k_cache, att.v_cache, self.inv_freq, positions.reshape(T),
+            x = torch.ops.d3d.layer(x, params, att.k_cache, att.v_cache, self.inv_freq, positions.reshape(T),
                                          mask, start, a.n_heads, a.norm_eps)
             if hidden_layers is not None and i in hidden_layers:
                 taps.append(x)

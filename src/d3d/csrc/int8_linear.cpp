@@ -2,7 +2,7 @@
 // q[m] is row m of x * smooth quantized to symmetric int8 with its own scale x_scale[m]. Each output row
 // depends on its own input row only and the integer sums are exact, so a row's result is bitwise the same
 // whatever else is in the batch. Weights come packed for VNNI: [N/16][K/4][16][4] int8 (pack_int8).
-#include "int8.h"
+#include "d3d.h"
 
 #include <torch/library.h>
 #include <ATen/Parallel.h>
@@ -121,7 +121,8 @@ at::Tensor d3d::int8_linear(const at::Tensor& x_, const at::Tensor& w, const at:
 
 TORCH_LIBRARY(d3d, m) {
   m.def("int8_linear(Tensor x, Tensor w, Tensor w_sum, Tensor w_scale, Tensor? smooth, Tensor? bias) -> Tensor");
-  m.def("int8_layer(Tensor x, Tensor[] params, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor inv_freq, "
+  m.def("fp32_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("layer(Tensor x, Tensor[] params, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor inv_freq, "
         "Tensor positions, Tensor? mask, int start, int n_heads, float eps) -> Tensor");
 }
 

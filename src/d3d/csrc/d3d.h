@@ -1,4 +1,4 @@
-// d3d's CPU int8 operators (see d3d/int8_kernel.py): shared declarations.
+// d3d's CPU operators (built by d3d/kernels.py): shared declarations.
 #pragma once
 #include <ATen/ATen.h>
 #include <optional>
@@ -8,5 +8,8 @@ namespace d3d {
 // y = x @ w.T (+ bias) with x quantized per row and w per output row (int8_linear.cpp).
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_sum, const at::Tensor& w_scale,
                        const std::optional<at::Tensor>& smooth, const std::optional<at::Tensor>& bias);
+
+// y = x @ w.T (+ bias) in fp32, w packed [N/64, K, 64] (fp32_linear.cpp).
+at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
 
 }  // namespace d3d

@@ -1,14 +1,15 @@
-// d3d::int8_layer: one Llama-family decoder layer of an int8 target over the T new rows of one sequence,
-// writing their keys and values into the KV cache. Everything that is not an int8 product (norms, rotary
-// embedding, attention, SiLU, residuals) is computed row by row here, with sums in a fixed order, and the
-// products are int8_linear's, whose rows are independent too. So a row's output is bitwise the same
+// d3d::layer: one Llama-family decoder layer over the T new rows of one sequence on the CPU, writing their
+// keys and values into the KV cache. Everything that is not a matrix product (norms, rotary embedding,
+// attention, SiLU, residuals) is computed row by row here, with sums in a fixed order, and the products
+// are int8_linear's or fp32_linear's, whose rows are independent too. So a row's output is bitwise the same
 // whether it is a one-token decoding step or one row of a 16-token verification or a token tree: the
 // property that keeps speculative decoding on the quantized target lossless. One call per layer also
 // replaces the ~25 small torch ops a layer costs in Python.
 //
-// params (d3d.quantize.layer_params): attention_norm, ffn_norm, q_norm, k_norm (empty: none), then for
-// wqkv, wo, w13, w2 in turn: packed, w_sum, w_scale, smooth, bias (empty: none).
-#include "int8.h"
+// params (d3d.kernels.layer_params): attention_norm, ffn_norm, q_norm, k_norm (empty: none), then for
+// wqkv, wo, w13, w2 in turn five slots: int8 (packed, w_sum, w_scale, smooth, bias) or fp32 (packed,
+// -, -, -, bias); empty: none.
+#include "d3d.h"
 
 #include <torch/library.h>
 #include <ATen/Parallel.h>
@@ -111,6 +112,7 @@ std::optional<at::Tensor> given(const at::Tensor& t) {
 // Linear number `i` (0 wqkv, 1 wo, 2 w13, 3 w2) of the layer on rows x [T, in].
 at::Tensor linear(const at::Tensor& x, at::TensorList p, int64_t i) {
   const int64_t b = 4 + 5 * i;
+  if (p[b].scalar_type() == at::kFloat) return d3d::fp32_linear(x, p[b], given(p[b + 4]));
   return d3d::int8_linear(x, p[b], p[b + 1], p[b + 2], given(p[b + 3]), given(p[b + 4]));
 }
 
@@ -165,22 +167,22 @@ void attend_row(const float* q, const float* kc, const float* vc, const bool* ma
   for (int64_t d = 0; d < D; ++d) out[d] *= inv;
 }
 
-at::Tensor int8_layer(const at::Tensor& x_, at::TensorList p, const at::Tensor& k_cache, const at::Tensor& v_cache,
+at::Tensor layer(const at::Tensor& x_, at::TensorList p, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& inv_freq, const at::Tensor& positions_, const std::optional<at::Tensor>& mask_,
                       int64_t start, int64_t H, double eps_) {
-  TORCH_CHECK(p.size() == 24, "int8_layer takes 24 parameter tensors (d3d.quantize.layer_params)");
-  TORCH_CHECK(x_.dim() == 3 && x_.size(0) == 1 && x_.scalar_type() == at::kFloat, "int8_layer runs one float sequence [1, T, dim]");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4, "int8_layer: KV cache [B, kv_heads, S, D]");
+  TORCH_CHECK(p.size() == 24, "layer takes 24 parameter tensors (d3d.kernels.layer_params)");
+  TORCH_CHECK(x_.dim() == 3 && x_.size(0) == 1 && x_.scalar_type() == at::kFloat, "layer runs one float sequence [1, T, dim]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4, "layer: KV cache [B, kv_heads, S, D]");
   const int64_t T = x_.size(1), dim = x_.size(2), KV = k_cache.size(1), S = k_cache.size(2), D = k_cache.size(3);
   const int64_t L = start + T, group = H / KV, half = D / 2;
   const float eps = float(eps_);
-  TORCH_CHECK(L <= S, "int8_layer: ", L, " tokens exceed the KV cache (", S, ")");
-  TORCH_CHECK(H % KV == 0 && inv_freq.numel() == half && positions_.numel() == T, "int8_layer: head shapes do not match");
+  TORCH_CHECK(L <= S, "layer: ", L, " tokens exceed the KV cache (", S, ")");
+  TORCH_CHECK(H % KV == 0 && inv_freq.numel() == half && positions_.numel() == T, "layer: head shapes do not match");
   const at::Tensor positions = positions_.to(at::kLong).contiguous();
   at::Tensor mask;
   if (mask_.has_value()) {
     mask = mask_->to(at::kBool).contiguous();
-    TORCH_CHECK(mask.numel() == T * L, "int8_layer: mask must be [T, start + T]");
+    TORCH_CHECK(mask.numel() == T * L, "layer: mask must be [T, start + T]");
   }
   at::Tensor x = x_.reshape({T, dim}).contiguous();
   const float* xp = x.data_ptr<float>();
@@ -189,7 +191,7 @@ at::Tensor int8_layer(const at::Tensor& x_, at::TensorList p, const at::Tensor& 
   for (int64_t i = 0; i < T; ++i) rms_norm(xp + i * dim, p[0].data_ptr<float>(), dim, eps, h.data_ptr<float>() + i * dim);
   at::Tensor qkv = linear(h, p, 0).contiguous();
   const int64_t width = (H + 2 * KV) * D;
-  TORCH_CHECK(qkv.size(1) == width, "int8_layer: wqkv does not match the heads");
+  TORCH_CHECK(qkv.size(1) == width, "layer: wqkv does not match the heads");
   float* qp = qkv.data_ptr<float>();
   float* kcp = k_cache.data_ptr<float>();
   float* vcp = v_cache.data_ptr<float>();
@@ -244,4 +246,4 @@ at::Tensor int8_layer(const at::Tensor& x_, at::TensorList p, const at::Tensor& 
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(d3d, CPU, m) { m.impl("int8_layer", &int8_layer); }
+TORCH_LIBRARY_IMPL(d3d, CPU, m) { m.impl("layer", &layer); }
