@@ -127,6 +127,27 @@ def test_fp32_kernel_equals_float64_math_and_is_batch_invariant():
 
 
 @torch.no_grad()
+def test_shipped_drafter_runs_on_the_cpu_layers_with_pytorch_numerics(smol):
+    """The d3d drafter (a Transformer with a block mask) takes the C++ layers too; its draft logits are
+    PyTorch's up to float rounding, with the same draft tokens."""
+    from d3d.drafter_files import load_drafter
+    from d3d.methods import DEFAULT_DRAFTERS
+
+    model, tok, model_dir = smol
+    d = load_drafter(DEFAULT_DRAFTERS / model_dir.name, model, tok)
+    assert d.cpu_layers is not None
+    text = tok.encode("The capital of France is Paris. The capital of Germany is")
+    drafts = []
+    for layers in (d.cpu_layers, None):
+        d.cpu_layers = layers
+        d.setup_cache(1, 128)
+        d.cached_tokens = []
+        drafts.append(d.draft_block(text))
+    assert (drafts[0] - drafts[1]).abs().max() < 1e-3
+    assert torch.equal(drafts[0].argmax(-1), drafts[1].argmax(-1))
+
+
+@torch.no_grad()
 def test_cpu_layers_follow_weight_updates_and_leave_autograd_alone(prompt_ids):
     """fp32 weights changed in place (an optimizer step) are repacked before the next forward; with
     autograd on trainable weights the forward runs in PyTorch, so gradients flow."""

@@ -14,6 +14,7 @@ import torch
 from .drafter import Drafter, DrafterConfig, drafter_class, tokenizer_fingerprint
 from .errors import D3DError
 from .fastpath import pack_linears
+from .kernels import kernels_available
 from .quantize import apply_quantize
 from .target import Transformer, rope_frequencies
 
@@ -143,4 +144,6 @@ def load_drafter(folder: str | Path, target: Transformer, tokenizer, device: str
     d.load_state_dict(state, strict=True, assign=True)
     d.inv_freq = rope_frequencies(cfg.model_args)
     d = pack_linears(d.to(device).eval().requires_grad_(False))
-    return apply_quantize(d, getattr(target, "quantized", None), tokenizer, batch_invariant=False)  # drafts need no invariance
+    if type(d) is Drafter and d.output.weight.device.type == "cpu" and kernels_available():
+        d.pack_cpu_layers()  # one C++ call per layer, as the target (DFlash's own forward stays in PyTorch)
+    return apply_quantize(d, getattr(target, "quantized", None), tokenizer, batch_invariant=False)

@@ -176,7 +176,7 @@ class Transformer(nn.Module):
         self.compiled_warm = False  # guards are checked until each graph has been compiled once
         self.cpu_layers: list[list[torch.Tensor]] | None = None  # torch.ops.d3d.layer's weights (pack_cpu_layers)
         self.cpu_head: torch.Tensor | None = None  # the LM head packed for fp32_linear
-        self.cpu_packed_from: list[tuple[nn.Module, torch.Tensor, int]] = []  # fp32: (module, weight, version)
+        self.cpu_packed_from: list[tuple[nn.Module, torch.Tensor, int]] = []  # fp32 linears: (module, weight, version)
 
     def setup_cache(self, max_batch: int = 1, max_len: int | None = None) -> None:
         a = self.args
@@ -233,7 +233,7 @@ class Transformer(nn.Module):
         no gradient needed; fp32 weights changed since packing (an optimizer step) are repacked first."""
         if self.cpu_layers is None or batch != 1 or (mask is not None and mask.dtype != torch.bool):
             return False
-        if torch.is_grad_enabled() and any(w.requires_grad for _, w, _ in self.cpu_packed_from):
+        if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
             return False
         if any(m.weight is not w or w._version != v for m, w, v in self.cpu_packed_from):
             self.pack_cpu_layers()
