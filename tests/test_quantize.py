@@ -130,6 +130,7 @@ def test_fp32_kernel_equals_float64_math_and_is_batch_invariant():
 def test_shipped_drafter_runs_on_the_cpu_layers_with_pytorch_numerics(smol):
     """The d3d drafter (a Transformer with a block mask) takes the C++ layers too; its draft logits are
     PyTorch's up to float rounding, with the same draft tokens."""
+    from d3d.drafter import bypassed
     from d3d.drafter_files import load_drafter
     from d3d.methods import DEFAULT_DRAFTERS
 
@@ -145,6 +146,16 @@ def test_shipped_drafter_runs_on_the_cpu_layers_with_pytorch_numerics(smol):
         drafts.append(d.draft_block(text))
     assert (drafts[0] - drafts[1]).abs().max() < 1e-3
     assert torch.equal(drafts[0].argmax(-1), drafts[1].argmax(-1))
+    d.cpu_layers = None
+    d.pack_cpu_layers()
+    pruned = []
+    for layers in (d.cpu_layers, None):  # a pruning trial's layer subset runs in PyTorch, never on the packed four
+        d.cpu_layers = layers
+        with bypassed(d, [1]):
+            d.setup_cache(1, 128)
+            d.cached_tokens = []
+            pruned.append(d.draft_block(text))
+    assert torch.equal(pruned[0], pruned[1])
 
 
 @torch.no_grad()

@@ -177,6 +177,7 @@ class Transformer(nn.Module):
         self.cpu_layers: list[list[torch.Tensor]] | None = None  # torch.ops.d3d.layer's weights (pack_cpu_layers)
         self.cpu_head: torch.Tensor | None = None  # the LM head packed for fp32_linear
         self.cpu_packed_from: list[tuple[nn.Module, torch.Tensor, int]] = []  # fp32 linears: (module, weight, version)
+        self.cpu_layers_of: nn.ModuleList | None = None  # the layer list packed (d3d.drafter.bypassed swaps it)
 
     def setup_cache(self, max_batch: int = 1, max_len: int | None = None) -> None:
         a = self.args
@@ -222,16 +223,18 @@ class Transformer(nn.Module):
         if any(p is None for p in params):
             self.cpu_layers, self.cpu_head, self.cpu_packed_from = None, None, []
             return
-        self.cpu_layers = params
+        self.cpu_layers, self.cpu_layers_of = params, self.layers
         fp32 = isinstance(self.output, nn.Linear)
         self.cpu_head = pack_fp32(self.output.weight) if fp32 else None
         linears = [m for m in self.modules() if isinstance(m, nn.Linear)] if fp32 else []
         self.cpu_packed_from = [(m, m.weight, m.weight._version) for m in linears]
 
     def _cpu_ready(self, batch: int, mask: torch.Tensor | None) -> bool:
-        """Whether this forward may run on the CPU layers (pack_cpu_layers): one sequence, a bool mask,
-        no gradient needed; fp32 weights changed since packing (an optimizer step) are repacked first."""
-        if self.cpu_layers is None or batch != 1 or (mask is not None and mask.dtype != torch.bool):
+        """Whether this forward may run on the CPU layers (pack_cpu_layers): one sequence, a bool mask, the
+        layers that were packed (not a pruning trial's subset), no gradient needed; fp32 weights changed
+        since packing (an optimizer step) are repacked first."""
+        if self.cpu_layers is None or batch != 1 or (mask is not None and mask.dtype != torch.bool) \
+                or self.layers is not self.cpu_layers_of:
             return False
         if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
             return False
@@ -285,8 +288,8 @@ class Transformer(nn.Module):
         x, taps = self.embed(tokens), []
         for i, (layer, params) in enumerate(zip(self.layers, self.cpu_layers)):
             att = layer.attention
-            x = torch.ops.d3d.layer(x, params, att.k_cache, att.v_cache, self.inv_freq, positions.reshape(T),
-                                         mask, start, a.n_heads, a.norm_eps)
+            x = torch.ops.d3d.layer(x, params, att.k_cache, att.v_cache, self.inv_freq, positions.reshape(T), mask,
+                                    start, a.n_heads, a.norm_eps)
             if hidden_layers is not None and i in hidden_layers:
                 taps.append(x)
         self.cache_len = start + T
