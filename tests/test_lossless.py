@@ -92,6 +92,26 @@ def test_ngram_greedy_equals_plain_decoding(smol, cases):
     assert max(accepted) > 2  # drafts were really accepted, not just corrected one token at a time
 
 
+def test_ngram_cuts_drafts_to_what_pays():
+    """With verification twice as dear at 16 tokens as at 1, a copy that is rarely right is cut to nothing
+    and one that is nearly always right is kept whole; the estimate follows what the text did next."""
+    from d3d.ngram import NgramProposer
+    from d3d.treecost import WidthCost
+
+    text = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 5, 6]  # "5 6" matched: copy 7 8 9 ...
+    ngram = NgramProposer(cost=WidthCost({1: 1.0, 2: 1.05, 4: 1.2, 8: 1.5, 16: 2.0}))
+    for p_right, want in ((0.01, 0), (0.99, 10)):
+        ngram.reset(text)
+        ngram.hits[2] = [p_right * 100, 100.0]
+        assert len(ngram.propose(text, 15)[0]) == want
+    ngram.reset(text)
+    before = ngram.hits[2][0] / ngram.hits[2][1]
+    ngram.propose(text, 15)
+    ngram.propose(text + [7, 8, 42], 15)  # the round kept two copied tokens, then the text went its own way
+    right, tried = ngram.hits[2]
+    assert (right, tried) == pytest.approx((0.9 * 1 + 2, 0.9 * 2 + 3)) and right / tried > before
+
+
 def test_oracle_and_noisy_oracle_equal_plain_decoding(smol, cases):
     model, tok, _ = smol
     vocab = model.args.vocab_size
@@ -283,7 +303,10 @@ def method_runner(method: str, target, drafter):
         cost = WidthCost({1: 1.0, 2: 1.2, 8: 1.6}, overhead=0.9)  # skips the drafter in about half the rounds
         tree = TreeProposer(D3DProposer(drafter, V, max_len=64), budget=8, cost=cost)
         return lambda p: generate_tree(target, tok, PROMPT_ALL, p, MAX_NEW_ALL, proposer=tree, max_depth=3)
-    proposer = NgramProposer() if method == "ngram" else D3DProposer(drafter, V, max_len=64)
+    if method == "ngram":  # with a cost model: drafts cut by their estimated chance against the width's cost
+        proposer = NgramProposer(cost=WidthCost({1: 1.0, 2: 1.1, 8: 1.6}))
+    else:
+        proposer = D3DProposer(drafter, V, max_len=64)
     return lambda p: generate(target, tok, PROMPT_ALL, p, MAX_NEW_ALL, proposer=proposer, block_size=BLOCK_TINY)
 
 

@@ -24,7 +24,7 @@ from .errors import D3DError
 from .proposer import D3DProposer, sample_draft
 from .registry import Method, Runner, Setup, register
 from .tokentree import TokenTree, TreeDraft, compact_cache, tree_logits, verify_tree
-from .treecost import WidthCost, choose_budget, drafter_cost, width_cost_curve
+from .treecost import WidthCost, choose_budget, drafter_cost, measured_curve, width_cost_curve
 from .verify import SamplingParams, make_generator
 
 NGRAM_CONFIDENCE = {1: 0.35, 2: 0.55, 3: 0.7}  # guessed per-token acceptance of an n-gram match of length n
@@ -209,9 +209,10 @@ def generate_tree(model, tokenizer, prompt_ids: list[int], params: SamplingParam
 
 def auto_tree(model, proposer: D3DProposer) -> TreeProposer:
     """A TreeProposer fitted to this device: its budget from choose_budget on the cost curve, and each
-    round's width chosen by WidthCost.best_width with the drafter's own cost as overhead. Measured afresh
-    (about 2 s on a CPU) rather than cached: the curve moves with the runtime, the threads and the load."""
-    curve = width_cost_curve(model)
+    round's width chosen by WidthCost.best_width with the drafter's own cost as overhead. The curve is
+    measured when the method is built (about 2 s on a CPU; shared with `ngram` on the same model), not
+    stored on disk: it moves with the runtime, the threads and the load."""
+    curve = measured_curve(model) or width_cost_curve(model)
     base = proposer.drafter.block_size
     return TreeProposer(proposer, choose_budget(curve, base), cost=WidthCost(curve, drafter_cost(proposer)))
 

@@ -35,6 +35,22 @@ def width_cost_curve(model, widths: tuple[int, ...] = WIDTHS, context: int = 256
     return {w: min(t) for w, t in times.items()}
 
 
+def measured_curve(model) -> dict[int, float] | None:
+    """width_cost_curve of `model`, measured once per model and thread count (about 2 s on a CPU) and
+    shared by the methods built on it; None where the model's context is too short to measure it."""
+    threads = torch.get_num_threads()
+    cached = getattr(model, "_d3d_width_curve", None)
+    if cached is not None and cached[0] == threads:
+        return cached[1]
+    args = getattr(model, "args", None)
+    room = getattr(args, "max_seq_len", 4096) - max(WIDTHS) - 1
+    if room < 16:
+        return None
+    curve = width_cost_curve(model, context=min(256, room))
+    model._d3d_width_curve = (threads, curve)
+    return curve
+
+
 class WidthCost:
     """Seconds of a target forward by width (linear between measured widths), and the width that
     maximises expected tokens per second of a round."""
