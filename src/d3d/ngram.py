@@ -50,19 +50,10 @@ class NgramProposer:
         return [], 0
 
     def _observe(self, tokens: list[int]) -> None:
-        """Score the last match against the tokens the round produced: how many it had right in a row,
-        and one miss if it went wrong within them."""
-        if self.last is None:
-            return
-        start, follow, n = self.last
-        came = tokens[start:start + len(follow)]
-        right = 0
-        while right < len(came) and came[right] == follow[right]:
-            right += 1
-        tried = right + (1 if right < len(came) else 0)
-        h = self.hits[n]
-        h[0], h[1] = DECAY * h[0] + right, DECAY * h[1] + tried
-        self.last = None
+        if self.last is not None:
+            start, follow, n = self.last
+            score_copy(self.hits[n], tokens, start, follow)
+            self.last = None
 
     def _length(self, n: int, longest: int) -> int:
         """Draft length in 0..longest maximising (1 + p + p^2 + ... + p^k) / cost(k + 1), with p the
@@ -76,6 +67,18 @@ class NgramProposer:
             if rate > best_rate:
                 best, best_rate = length, rate
         return best
+
+
+def score_copy(hits: list[float], tokens: list[int], start: int, follow: list[int]) -> None:
+    """Update hits = [right, tried] (decayed counts) with how a copy `follow`, proposed when the text had
+    `start` tokens, fared against the tokens that came: right ones in a row, then one miss if it went
+    wrong within them."""
+    came = tokens[start:start + len(follow)]
+    right = 0
+    while right < len(came) and came[right] == follow[right]:
+        right += 1
+    hits[0] = DECAY * hits[0] + right
+    hits[1] = DECAY * hits[1] + right + (1 if right < len(came) else 0)
 
 
 def _ngram_runner(s: Setup) -> Runner:
