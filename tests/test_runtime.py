@@ -327,3 +327,7 @@ def test_hf_fallback_rolls_back_and_speculates_losslessly(smol, sequences):
     plain = generate(model, tok, seq, max_new_tokens=24)
     spec = generate(model, tok, seq, max_new_tokens=24, proposer=NgramProposer())
     assert spec.token_ids == plain.token_ids and spec.rounds < plain.rounds
+    from d3d.methods import make_runner
+
+    fitted = make_runner("ngram", model, tok, smol[2])  # measures this runtime's cost curve to cut its copies
+    assert fitted(seq, max_new_tokens=24).token_ids == plain.token_ids

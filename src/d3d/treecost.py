@@ -19,7 +19,7 @@ def width_cost_curve(model, widths: tuple[int, ...] = WIDTHS, context: int = 256
     width: the fastest of `repeats` runs (interference from other work only ever adds time), the widths
     taking turns so that a busy spell slows them all alike. Every forward is rolled back, so the cache
     only ever holds the context."""
-    device = model.output.weight.device
+    device = next(model.parameters()).device
     model.setup_cache(1, context + max(widths) + 1)
     model(torch.zeros(1, context, dtype=torch.long, device=device))
     times: dict[int, list[float]] = {w: [] for w in widths}
