@@ -144,6 +144,7 @@ def load_drafter(folder: str | Path, target: Transformer, tokenizer, device: str
     d.load_state_dict(state, strict=True, assign=True)
     d.inv_freq = rope_frequencies(cfg.model_args)
     d = pack_linears(d.to(device).eval().requires_grad_(False))
+    d = apply_quantize(d, getattr(target, "quantized", None), tokenizer, batch_invariant=False)
     if type(d) is Drafter and d.output.weight.device.type == "cpu" and kernels_available():
-        d.pack_cpu_layers()  # one C++ call per layer, as the target (DFlash's own forward stays in PyTorch)
-    return apply_quantize(d, getattr(target, "quantized", None), tokenizer, batch_invariant=False)
+        d.pack_cpu_layers()  # one C++ call per layer, fp32 or int8, as the target (DFlash's own forward stays in PyTorch)
+    return d

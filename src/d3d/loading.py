@@ -48,10 +48,7 @@ def load_runtime(model_dir: Path, device: str = "cpu", max_seq_len: int | None =
         model = Transformer(a)
     model.load_state_dict(_hf_to_runtime(load_state_dict(model_dir), a), assign=True, strict=True)
     model.inv_freq = rope_frequencies(a)
-    model = pack_linears(model.to(device).eval().requires_grad_(False))
-    if model.output.weight.device.type == "cpu" and kernels_available():
-        model.pack_cpu_layers()
-    return model
+    return pack_linears(model.to(device).eval().requires_grad_(False))
 
 
 def load_target(target: str | None = None, device: str = "cpu", max_seq_len: int | None = None,
@@ -74,6 +71,11 @@ def load_target(target: str | None = None, device: str = "cpu", max_seq_len: int
 
         model = HFRuntime(model_dir, device)
     tokenizer = load_tokenizer(model_dir)
-    model = apply_quantize(model, quantize, tokenizer)
-    return compile_decode(model) if compile else model, tokenizer, model_dir
+    model = apply_quantize(model, quantize, tokenizer)  # int8 takes the C++ layers itself
+    if compile:
+        return compile_decode(model), tokenizer, model_dir
+    if quantize is None and isinstance(model, Transformer) and model.output.weight.device.type == "cpu" \
+            and kernels_available():
+        model.pack_cpu_layers()  # fp32: one C++ call per layer (d3d.kernels)
+    return model, tokenizer, model_dir
 

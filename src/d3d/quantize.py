@@ -90,7 +90,7 @@ def quantize_int8(model: nn.Module, tokenizer, batch_invariant: bool = True) -> 
     """Replace every nn.Linear of `model` (CPU only) by an Int8Linear smoothed on CALIBRATION_TEXT, in
     place; returns `model`. batch_invariant (a d3d.target.Transformer): its layers then run as one
     torch.ops.d3d.layer call each, row by row, so that a verification pass computes bitwise what
-    decoding computes; a drafter does not need it, but one already on the C++ layers stays on them."""
+    decoding computes; a drafter does not need it (d3d.drafter_files puts it on them for speed)."""
     if next(model.parameters()).device.type != "cpu":
         raise D3DError("--quantize int8 runs on the CPU; use --device cpu")
     peaks = input_peaks(model, tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False))
@@ -99,8 +99,8 @@ def quantize_int8(model: nn.Module, tokenizer, batch_invariant: bool = True) -> 
             if isinstance(layer, nn.Linear):
                 full = f"{name}.{child}" if name else child
                 setattr(module, child, Int8Linear(layer, keep_weight=full in KEEP_WEIGHT, input_peak=peaks.get(full)))
-    if hasattr(model, "pack_cpu_layers") and (batch_invariant or model.cpu_layers is not None):
-        model.pack_cpu_layers()  # the C++ layers, now on the int8 weights
+    if batch_invariant and hasattr(model, "pack_cpu_layers"):
+        model.pack_cpu_layers()
     model.quantized = "int8"
     return model
 

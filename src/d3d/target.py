@@ -238,7 +238,8 @@ class Transformer(nn.Module):
             return False
         if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
             return False
-        if any(m.weight is not w or w._version != v for m, w, v in self.cpu_packed_from):
+        # m._parameters, not m.weight: nn.Module's __getattr__ made this check 60 us a forward instead of 10
+        if any(m._parameters["weight"] is not w or w._version != v for m, w, v in self.cpu_packed_from):
             self.pack_cpu_layers()
         return True
 

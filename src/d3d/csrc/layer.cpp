@@ -3,7 +3,7 @@
 // attention, SiLU, residuals) is computed row by row here, with sums in a fixed order, and the products
 // are int8_linear's or fp32_linear's, whose rows are independent too. So a row's output is bitwise the same
 // whether it is a one-token decoding step or one row of a 16-token verification or a token tree: the
-// property that keeps speculative decoding on the quantized target lossless. One call per layer also
+// property that keeps speculative decoding exactly lossless, in fp32 and int8. One call per layer also
 // replaces the ~25 small torch ops a layer costs in Python.
 //
 // params (d3d.kernels.layer_params): attention_norm, ffn_norm, q_norm, k_norm (empty: none), then for
@@ -38,8 +38,21 @@ inline float reduce16(__m512 v) {
 }
 #endif
 
-// sum_i a[i] * b[i] in 16 lane sums reduced pairwise: a fixed order, so the same in every call (the
-// vector path computes exactly what the loop below does).
+// sum_i term(i) in 16 lane sums (term i goes to lane i % 16) reduced pairwise: a fixed order, so the
+// same in every call, which the compiler can vectorize without reassociating anything.
+template <typename Term>
+inline float lane_sum(int64_t n, Term term) {
+  float acc[LANES] = {0.f};
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int64_t l = 0; l < LANES; ++l) acc[l] += term(i + l);
+  for (int64_t l = 0; i < n; ++i, ++l) acc[l] += term(i);
+  for (int64_t w = LANES / 2; w > 0; w /= 2)
+    for (int64_t l = 0; l < w; ++l) acc[l] += acc[l + w];
+  return acc[0];
+}
+
+// sum_i a[i] * b[i] by lane_sum (the vector path computes exactly what lane_sum does).
 inline float dot(const float* a, const float* b, int64_t n) {
 #ifdef __AVX512F__
   if (n % LANES == 0) {
@@ -49,25 +62,11 @@ inline float dot(const float* a, const float* b, int64_t n) {
     return reduce16(acc);
   }
 #endif
-  float acc[LANES] = {0.f};
-  int64_t i = 0;
-  for (; i + LANES <= n; i += LANES)
-    for (int64_t l = 0; l < LANES; ++l) acc[l] += a[i + l] * b[i + l];
-  for (int64_t l = 0; i < n; ++i, ++l) acc[l] += a[i] * b[i];
-  for (int64_t w = LANES / 2; w > 0; w /= 2)
-    for (int64_t l = 0; l < w; ++l) acc[l] += acc[l + w];
-  return acc[0];
+  return lane_sum(n, [&](int64_t i) { return a[i] * b[i]; });
 }
 
 float sum(const float* a, int64_t n) {
-  float acc[LANES] = {0.f};
-  int64_t i = 0;
-  for (; i + LANES <= n; i += LANES)
-    for (int64_t l = 0; l < LANES; ++l) acc[l] += a[i + l];
-  for (int64_t l = 0; i < n; ++i, ++l) acc[l] += a[i];
-  for (int64_t w = LANES / 2; w > 0; w /= 2)
-    for (int64_t l = 0; l < w; ++l) acc[l] += acc[l + w];
-  return acc[0];
+  return lane_sum(n, [&](int64_t i) { return a[i]; });
 }
 
 // e^x for x in [-87, 88] (clamped there, so results stay normal floats), to about 2 ulp: 2^k * p(r) with
@@ -168,8 +167,8 @@ void attend_row(const float* q, const float* kc, const float* vc, const bool* ma
 }
 
 at::Tensor layer(const at::Tensor& x_, at::TensorList p, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                      const at::Tensor& inv_freq, const at::Tensor& positions_, const std::optional<at::Tensor>& mask_,
-                      int64_t start, int64_t H, double eps_) {
+                 const at::Tensor& inv_freq, const at::Tensor& positions_, const std::optional<at::Tensor>& mask_,
+                 int64_t start, int64_t H, double eps_) {
   TORCH_CHECK(p.size() == 24, "layer takes 24 parameter tensors (d3d.kernels.layer_params)");
   TORCH_CHECK(x_.dim() == 3 && x_.size(0) == 1 && x_.scalar_type() == at::kFloat, "layer runs one float sequence [1, T, dim]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4, "layer: KV cache [B, kv_heads, S, D]");
