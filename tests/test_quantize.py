@@ -118,7 +118,7 @@ def test_fp32_kernel_equals_float64_math_and_is_batch_invariant():
 
     load_kernels()
     torch.manual_seed(0)
-    w, bias, x = torch.randn(128, 75), torch.randn(128), torch.randn(9, 75)
+    w, bias, x = torch.randn(640, 75), torch.randn(640), torch.randn(9, 75)  # 10 groups: the prefetching path too
     y = torch.ops.d3d.fp32_linear(x, pack_fp32(w), bias)
     assert torch.allclose(y.double(), x.double() @ w.double().T + bias.double(), rtol=1e-5, atol=1e-4)
     for i in range(9):
