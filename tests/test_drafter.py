@@ -186,6 +186,27 @@ def test_draft_after_incremental_updates_equals_from_scratch():
     assert d.cached_tokens == seq[:40] and d.cache_len == 40
 
 
+def test_drafting_fewer_slots_is_the_block_of_that_size():
+    """draft_block(tokens, slots=s) is what a drafter with a block of s slots drafts (fewer masks fed),
+    and leaves the cache holding the verified text only, as the whole block does."""
+    import copy
+
+    d = tiny_drafter(block_size=8).eval().requires_grad_(False)
+    seq = [random.Random(2).randrange(TINY.vocab_size) for _ in range(30)]
+    d.setup_cache(1, 256)
+    whole = d.draft_block(seq[:20])
+    few = d.draft_block(seq[:20], slots=3)
+    assert few.shape == (3, whole.shape[1]) and d.cached_tokens == seq[:20] and d.cache_len == 20
+    small = copy.deepcopy(d)
+    small.cfg.block_size = 3
+    small.setup_cache(1, 256)
+    small.cached_tokens = []
+    assert torch.allclose(small.draft_block(seq[:20]), few, atol=1e-5)
+    assert torch.allclose(d.draft_block(seq[:20], slots=d.block_size), whole, atol=1e-5)
+    with pytest.raises(D3DError, match="slots must be in 1..8"):
+        d.draft_block(seq[:20], slots=9)
+
+
 def test_mismatched_target_is_a_clear_error(tmp_path, smol):
     model, tok, _ = smol
     save_drafter(tiny_drafter(), tmp_path / "tiny")

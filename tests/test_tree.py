@@ -10,12 +10,13 @@ import torch
 
 import d3d.tokentree
 import d3d.tree
+import d3d.treecost
 from d3d.engine import LogprobRecorder, generate
 from d3d.methods import make_runner
 from d3d.proposer import D3DProposer
 from d3d.tokentree import Candidate, TokenTree, TreeDraft, compact_cache, tree_logits, tree_mask, tree_positions
 from d3d.tree import TreeProposer, generate_tree, ngram_continuations
-from d3d.treecost import WidthCost, choose_budget
+from d3d.treecost import WidthCost, choose_budget, choose_slots
 from d3d.verify import SamplingParams, probs_from_logits, sample
 from sampling_law import EOS, V, StubTokenizer, chi2_pvalue, draw, exact_law, tiny_drafter, tiny_model
 
@@ -144,6 +145,34 @@ def test_the_drafter_runs_while_it_pays_and_is_probed_when_it_does_not():
     assert tree.drafting_pays()
 
 
+def test_ngram_rates_are_learned_from_the_nodes_whose_parent_was_reached():
+    tree = TreeProposer(None)
+    tree.reset([1])
+    key, deeper = ("ngram", 1, 0, 0), ("ngram", 1, 0, 1)
+    prior = tree.rate(key)
+    assert prior == d3d.tree.NGRAM_CONFIDENCE[1]
+    draft = TreeDraft(7)
+    draft.add([3, 4], [prior, prior], "ngram", keys=[key, deeper])
+    t = draft.select(budget=10, max_depth=5)
+    assert t.keys == [set(), {key}, {deeper}]
+    for _ in range(20):
+        tree.accepted(t, [], drafted=False)  # its first token was tried and rejected; the second never reached
+    assert tree.rate(key) < 0.05 and tree.rate(deeper) == prior
+    for _ in range(20):
+        tree.accepted(t, [1, 2], drafted=False)  # both accepted
+    assert tree.rate(key) > 0.5 and tree.rate(deeper) > prior
+
+
+def test_choose_slots_keeps_the_slots_that_cost_little(monkeypatch):
+    drafter = type("D", (), {"block_size": 16})()
+    proposer = type("P", (), {"drafter": drafter})()
+    costs = {2: 1.0, 4: 1.2, 8: 1.3, 16: 2.0}  # compute-bound beyond 4 slots, as on a CPU
+    monkeypatch.setattr(d3d.treecost, "drafter_costs", lambda p, slots: {s: costs[s] for s in slots})
+    assert choose_slots(proposer) == (4, 1.2)
+    monkeypatch.setattr(d3d.treecost, "drafter_costs", lambda p, slots: {s: 1.0 for s in slots})
+    assert choose_slots(proposer) == (16, 1.0)  # bound by reading the weights, as on a GPU
+
+
 # --------------------------------------------------------------------------------------------
 # Greedy identity on the real target with the shipped drafter
 
@@ -151,7 +180,7 @@ def test_the_drafter_runs_while_it_pays_and_is_probed_when_it_does_not():
 def test_greedy_equals_plain_decoding_on_real_prompts(smol, prompt_ids, short_answer_ids):
     model, tok, model_dir = smol
     tree = make_runner("d3d-tree", model, tok, model_dir, tree_budget=24)
-    assert tree.settings == {"block_size": 16, "tree_budget": 24, "tree_width_cost_s": None}
+    assert tree.settings == {"block_size": 16, "tree_budget": 24, "draft_slots": None, "tree_width_cost_s": None}
     branches = Counter()
     for ids in prompt_ids[:1] + prompt_ids[-1:]:
         ar = generate(model, tok, ids, GREEDY, 32)
@@ -218,7 +247,7 @@ def tree_run(target, proposer):
 
 @pytest.fixture(scope="module")
 def tree_proposer(tiny):
-    return TreeProposer(D3DProposer(tiny_drafter(tiny_model(noise=0.08)), V, max_len=64), budget=8)
+    return TreeProposer(D3DProposer(tiny_drafter(tiny_model(noise=0.08)), V, max_len=64), budget=8, draft_slots=2)
 
 
 def test_generation_keeps_the_law_and_a_broken_rule_is_caught(tiny, tree_proposer, monkeypatch):

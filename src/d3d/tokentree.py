@@ -55,6 +55,7 @@ class TokenTree:
     depths: list[int]
     sources: list[set[str]]
     cands: list[list[Candidate]]
+    keys: list[set] = field(default_factory=list)  # per node: the proposers' own labels (see TreeDraft.add)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -75,6 +76,7 @@ class _Node:
     depth: int
     score: float
     sources: set[str]
+    keys: set = field(default_factory=set)
     children: dict[int, int] = field(default_factory=dict)
     cands: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
 
@@ -86,9 +88,10 @@ class TreeDraft:
         self.nodes = [_Node(root, -1, 0, 1.0, {"root"})]
 
     def add(self, path: list[int], factors: list[float], source: str, start: int = 0,
-            laws: list[torch.Tensor | None] | None = None) -> list[int]:
+            laws: list[torch.Tensor | None] | None = None, keys: list | None = None) -> list[int]:
         """Add `path` below node `start`; factors[i] estimates the chance that token i is accepted once
-        its parent is reached; laws[i] is the law token i was sampled from (None = deterministic).
+        its parent is reached; laws[i] is the law token i was sampled from (None = deterministic);
+        keys[i], a label the proposer learns that chance under (kept in TokenTree.keys).
         A sampled candidate goes first among its node's candidates. Returns the nodes of the path."""
         node, out, reach = start, [], self.nodes[start].score
         for i, tok in enumerate(path):
@@ -111,6 +114,8 @@ class TreeDraft:
                 self.nodes[child].sources.add(source)
             else:
                 self.nodes[child].score = max(self.nodes[child].score, reach)
+            if keys is not None:
+                self.nodes[child].keys.add(keys[i])
             node = child
             reach = self.nodes[node].score
             out.append(node)
@@ -137,7 +142,8 @@ class TreeDraft:
         return TokenTree(tokens=[self.nodes[i].token for i in kept],
                          parents=[flat[self.nodes[i].parent] if i else -1 for i in kept],
                          depths=[self.nodes[i].depth for i in kept],
-                         sources=[self.nodes[i].sources for i in kept], cands=cands)
+                         sources=[self.nodes[i].sources for i in kept], cands=cands,
+                         keys=[self.nodes[i].keys for i in kept])
 
 
 # --------------------------------------------------------------------------------------------

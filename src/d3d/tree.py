@@ -24,10 +24,12 @@ from .errors import D3DError
 from .proposer import D3DProposer, sample_draft
 from .registry import Method, Runner, Setup, register
 from .tokentree import TokenTree, TreeDraft, compact_cache, tree_logits, verify_tree
-from .treecost import WidthCost, choose_budget, drafter_cost, measured_curve, width_cost_curve
+from .treecost import WidthCost, choose_budget, choose_slots, measured_curve, width_cost_curve
 from .verify import SamplingParams, make_generator
 
-NGRAM_CONFIDENCE = {1: 0.35, 2: 0.55, 3: 0.7}  # guessed per-token acceptance of an n-gram match of length n
+NGRAM_CONFIDENCE = {1: 0.35, 2: 0.55, 3: 0.7}  # prior per-token acceptance of an n-gram match of length n
+PRIOR_WEIGHT = 2.0      # the prior counts as this many observed nodes
+RATE_DECAY = 0.95       # weight of the past in the learned acceptance rates, per observed node
 ALT_TAIL_DISCOUNT = 0.5  # drafter tokens after an alternative were drafted for the other branch
 GAIN_SMOOTHING = 0.2     # weight of the latest round in the drafter's moving-average gain
 PROBE_ROUNDS = 8         # a drafter that does not pay still runs once every this many rounds
@@ -66,10 +68,12 @@ class SlotBlock:
     top_probs: list[list[float]]
 
 
-def d3d_block(proposer: D3DProposer, tokens: list[int], k: int, params: SamplingParams, top: int) -> SlotBlock:
-    """One synchronous D3D draft after `tokens`, with the `top` best tokens of each slot."""
+def d3d_block(proposer: D3DProposer, tokens: list[int], k: int, params: SamplingParams, top: int,
+              slots: int | None = None) -> SlotBlock:
+    """One synchronous D3D draft of `slots` slots (None: the whole block) after `tokens`, with the `top`
+    best tokens of each slot."""
     d = proposer.drafter
-    logits = d.draft_block(tokens)[:k]
+    logits = d.draft_block(tokens, slots)[:k]
     drafts, q = sample_draft(d, logits, params, proposer.vocab_size, proposer.generator)
     probs = torch.softmax(logits.float() / (params.temperature if not params.greedy else 1.0), -1)
     values, index = probs.topk(min(top, probs.shape[-1]), -1)
@@ -84,15 +88,20 @@ class TreeProposer:
     name = "d3d-tree"
 
     def __init__(self, drafter: D3DProposer | None, budget: int = 32, alternatives: int = 2, alt_tail: int = 3,
-                 ngram_matches: int = 4, max_ngram: int = 3, cost: WidthCost | None = None):
+                 ngram_matches: int = 4, max_ngram: int = 3, cost: WidthCost | None = None,
+                 draft_slots: int | None = None):
         if budget < 1:
             raise D3DError(f"tree budget must be >= 1 (got {budget})")
+        if drafter is not None and draft_slots is not None and not 1 <= draft_slots <= drafter.drafter.block_size:
+            raise D3DError(f"draft slots must be in 1..{drafter.drafter.block_size} (got {draft_slots})")
         self.d3d, self.budget, self.alternatives, self.alt_tail = drafter, budget, alternatives, alt_tail
+        self.draft_slots = draft_slots
         self.ngram_matches, self.max_ngram, self.cost = ngram_matches, max_ngram, cost
         self.params = SamplingParams()
 
     def reset(self, prompt_ids: list[int]) -> None:
         self.drafter_gain, self.idle_rounds = 1.0, 0
+        self.rates: dict[tuple, list[float]] = {}  # n-gram node label -> [accepted, tried], decayed
         if self.d3d is not None:
             self.d3d.params = self.params
             self.d3d.reset(prompt_ids)
@@ -106,8 +115,22 @@ class TreeProposer:
             return True
         return self.idle_rounds >= PROBE_ROUNDS
 
+    def rate(self, key: tuple) -> float:
+        """The learned chance that an n-gram node labelled `key` = ("ngram", n, rank, position) is accepted
+        once its parent is reached (the NGRAM_CONFIDENCE prior until outcomes come in)."""
+        right, tried = self.rates.get(key) or (PRIOR_WEIGHT * NGRAM_CONFIDENCE[key[1]], PRIOR_WEIGHT)
+        return right / tried
+
     def accepted(self, tree: TokenTree, path: list[int], drafted: bool) -> None:
-        """Feedback after verification: how many accepted tokens only the drafter had proposed."""
+        """Feedback after verification: every labelled node whose parent was reached counts as tried,
+        and as accepted if it is on the path (so the rates depend on verified text only); and how many
+        accepted tokens only the drafter had proposed."""
+        reached = {0, *path}
+        for i in range(1, len(tree)):
+            if tree.parents[i] in reached:
+                for key in tree.keys[i] if tree.keys else ():
+                    right, tried = self.rates.get(key) or (PRIOR_WEIGHT * NGRAM_CONFIDENCE[key[1]], PRIOR_WEIGHT)
+                    self.rates[key] = [RATE_DECAY * right + (i in reached), RATE_DECAY * tried + 1]
         if drafted:
             gain = sum(1 for i in path if "ngram" not in tree.sources[i])
             self.drafter_gain += GAIN_SMOOTHING * (gain - self.drafter_gain)
@@ -120,10 +143,11 @@ class TreeProposer:
         draft = TreeDraft(tokens[-1])
         matches = ngram_continuations(tokens, k, self.ngram_matches, self.max_ngram) if k > 0 else []
         if k > 0 and self.d3d is not None and self.drafting_pays():
-            self._add_drafter(draft, d3d_block(self.d3d, tokens, k, self.params, self.alternatives + 1))
-        for n, follow in matches:
-            conf = NGRAM_CONFIDENCE[min(n, max(NGRAM_CONFIDENCE))]
-            draft.add(follow, [conf] * len(follow), "ngram")
+            self._add_drafter(draft, d3d_block(self.d3d, tokens, k, self.params, self.alternatives + 1,
+                                                 self.draft_slots))
+        for rank, (n, follow) in enumerate(matches):
+            keys = [("ngram", min(n, max(NGRAM_CONFIDENCE)), min(rank, 1), min(pos, 2)) for pos in range(len(follow))]
+            draft.add(follow, [self.rate(key) for key in keys], "ngram", keys=keys)
         return draft.select(self.budget, k, self.cost)
 
     def _add_drafter(self, draft: TreeDraft, block: SlotBlock) -> None:
@@ -208,13 +232,15 @@ def generate_tree(model, tokenizer, prompt_ids: list[int], params: SamplingParam
 
 
 def auto_tree(model, proposer: D3DProposer) -> TreeProposer:
-    """A TreeProposer fitted to this device: its budget from choose_budget on the cost curve, and each
-    round's width chosen by WidthCost.best_width with the drafter's own cost as overhead. The curve is
-    measured when the method is built (about 2 s on a CPU; shared with `ngram` on the same model), not
-    stored on disk: it moves with the runtime, the threads and the load."""
+    """A TreeProposer fitted to this device: its budget from choose_budget on the cost curve, the slots the
+    drafter drafts from choose_slots, and each round's width chosen by WidthCost.best_width with the
+    drafter's own cost as overhead. Both costs are measured when the method is built (about 2 s on a CPU;
+    the curve is shared with `ngram` on the same model), not stored on disk: they move with the runtime,
+    the threads and the load."""
     curve = measured_curve(model) or width_cost_curve(model)
-    base = proposer.drafter.block_size
-    return TreeProposer(proposer, choose_budget(curve, base), cost=WidthCost(curve, drafter_cost(proposer)))
+    slots, overhead = choose_slots(proposer)
+    return TreeProposer(proposer, choose_budget(curve, proposer.drafter.block_size),
+                        cost=WidthCost(curve, overhead), draft_slots=slots)
 
 
 def _tree_runner(s: Setup):
@@ -223,7 +249,7 @@ def _tree_runner(s: Setup):
     budget = s.options.get("tree_budget")
     tree = TreeProposer(proposer, budget) if budget else auto_tree(s.model, proposer)
     return Runner(partial(generate_tree, s.model, s.tokenizer, proposer=tree, max_depth=d.block_size - 1),
-                  block_size=d.block_size, tree_budget=tree.budget,
+                  block_size=d.block_size, tree_budget=tree.budget, draft_slots=tree.draft_slots,
                   tree_width_cost_s=None if tree.cost is None else tree.cost.curve)
 
 

@@ -104,19 +104,40 @@ def choose_budget(curve: dict[int, float], base: int = 16, max_ratio: float = 1.
 
 
 @torch.no_grad()
-def drafter_cost(proposer: D3DProposer, context: int = 256, repeats: int = 3) -> float:
-    """Seconds of one synchronous D3D draft after `context` tokens (one new token per draft): the fastest
-    of `repeats`."""
+def drafter_costs(proposer: D3DProposer, slots: list[int | None], context: int = 256, repeats: int = 5
+                  ) -> dict[int | None, float]:
+    """Seconds of one synchronous D3D draft of each number of `slots` (None: the whole block) after
+    `context` tokens, one new token per draft as in a round: the fastest of `repeats`, the options
+    taking turns (as in width_cost_curve)."""
     d = proposer.drafter
     d.setup_cache(1, context + d.block_size + 2)
     d.cached_tokens = []
     text = [0] * context
     d.draft_block(text)
-    times = []
+    times: dict[int | None, list[float]] = {s: [] for s in slots}
     for i in range(repeats):
-        text[-1] = 1 + i % 2  # the last token changes: each draft feeds it again, as a round does
-        t0 = time.perf_counter()
-        d.draft_block(text)
-        sync_device(d.draft_ids.device)
-        times.append(time.perf_counter() - t0)
-    return min(times)
+        for s in slots:
+            text[-1] = 1 + len(times[s]) % 2 + 2 * (i % 2)  # the last token changes: each draft feeds it again
+            t0 = time.perf_counter()
+            d.draft_block(text, s)
+            sync_device(d.draft_ids.device)
+            times[s].append(time.perf_counter() - t0)
+    return {s: min(t) for s, t in times.items()}
+
+
+def drafter_cost(proposer: D3DProposer, slots: int | None = None) -> float:
+    """Seconds of one synchronous D3D draft of `slots` slots (None: the whole block); see drafter_costs."""
+    return drafter_costs(proposer, [slots])[slots]
+
+
+def choose_slots(proposer: D3DProposer, max_ratio: float = 1.25) -> tuple[int, float]:
+    """(slots, seconds a draft of them costs): the most slots (of 2, 4, 8, ..., the block) whose drafting
+    pass costs at most `max_ratio` times a 2-slot pass. Acceptance lives in a drafter's first few slots,
+    so where the pass is bound by reading the drafter's weights (a GPU, or a few slots on a CPU) the
+    whole block comes for free, and where each slot adds compute (more than a few on a CPU) the extra
+    slots would cost more than they win."""
+    B = proposer.drafter.block_size
+    options = sorted({min(2 ** i, B) for i in range(1, B.bit_length() + 1)})
+    costs = drafter_costs(proposer, options)
+    best = max(s for s in options if costs[s] <= max_ratio * costs[options[0]])
+    return best, costs[best]
