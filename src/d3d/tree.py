@@ -4,7 +4,10 @@ as one token tree per target forward (the tree itself: d3d.tokentree; its width:
 Each round the proposers add paths to a trie rooted at the pending token; the best nodes are fed to the
 target at once and verification walks the accepted path, losslessly (d3d.tokentree states the rule).
 With a cost model the drafter is also skipped in rounds where it has recently not been worth its own
-cost (TreeProposer.drafting_pays).
+cost (TreeProposer.drafting_pays), and drafts only its first slots where more would cost more than they
+win (treecost.choose_slots: 4 of 16 on a 2-core CPU, with the same tau). An n-gram node's chance of
+acceptance is learned per (n, match rank, position in the copy) from the nodes whose parent verification
+reached: the fixed guesses it starts from were 2-3x too high for short matches.
 
 Why sampling stays exact: the drafter's slot-j token is sampled once from q_j (which depends on the
 verified text only), sits only at depth j, comes first among its node's candidates, and node scores use
@@ -115,10 +118,13 @@ class TreeProposer:
             return True
         return self.idle_rounds >= PROBE_ROUNDS
 
+    def _counts(self, key: tuple) -> list[float]:
+        return self.rates.get(key) or [PRIOR_WEIGHT * NGRAM_CONFIDENCE[key[1]], PRIOR_WEIGHT]
+
     def rate(self, key: tuple) -> float:
         """The learned chance that an n-gram node labelled `key` = ("ngram", n, rank, position) is accepted
         once its parent is reached (the NGRAM_CONFIDENCE prior until outcomes come in)."""
-        right, tried = self.rates.get(key) or (PRIOR_WEIGHT * NGRAM_CONFIDENCE[key[1]], PRIOR_WEIGHT)
+        right, tried = self._counts(key)
         return right / tried
 
     def accepted(self, tree: TokenTree, path: list[int], drafted: bool) -> None:
@@ -129,7 +135,7 @@ class TreeProposer:
         for i in range(1, len(tree)):
             if tree.parents[i] in reached:
                 for key in tree.keys[i] if tree.keys else ():
-                    right, tried = self.rates.get(key) or (PRIOR_WEIGHT * NGRAM_CONFIDENCE[key[1]], PRIOR_WEIGHT)
+                    right, tried = self._counts(key)
                     self.rates[key] = [RATE_DECAY * right + (i in reached), RATE_DECAY * tried + 1]
         if drafted:
             gain = sum(1 for i in path if "ngram" not in tree.sources[i])
