@@ -50,6 +50,7 @@ EARLY_ERRORS = [
     (("demo", "--max-new-tokens", "0"), "max-new-tokens"),
     (("generate", "hi", "--method", "dflash", "--dflash-drafter", "/nonexistent/d"), "does not exist"),
     (("generate", "hi", "--ar-draft-k", "0"), "--ar-draft-k must be >= 1"),
+    (("generate", "hi", "--method", "ngram", "--quantize-drafter", "int8"), "--quantize-drafter needs a method"),
     (("bench", "--prompts", "p.jsonl", "--methods", "ngram", "--drafters", "a={tmp}", "--out", "x.json"),
      "--drafters needs a method"),
     (("bench", "--prompts", "p.jsonl", "--methods", "d3d", "--drafters", "{tmp}", "--out", "x.json"), "NAME=PATH"),

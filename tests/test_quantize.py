@@ -207,6 +207,22 @@ def test_int8_speculative_methods_equal_int8_plain_decoding(int8_target, prompt_
         assert spec(ids, max_new_tokens=40).token_ids == ar(ids, max_new_tokens=40).token_ids
 
 
+@pytest.mark.parametrize("method", ["d3d", "d3d-tree"])
+def test_an_int8_drafter_on_an_fp32_target_keeps_the_fp32_output(smol, prompt_ids, method):
+    """--quantize-drafter int8: the drafter is int8, the target stays fp32, the output is fp32 `ar`'s."""
+    from d3d.quantize import Int8Linear
+
+    model, tok, model_dir = smol
+    spec = make_runner(method, model, tok, model_dir, quantize_drafter="int8")
+    drafter = spec.fn.keywords["proposer"]
+    drafter = (drafter.d3d if method == "d3d-tree" else drafter).drafter
+    assert isinstance(drafter.layers[0].feed_forward.w13, Int8Linear)
+    assert getattr(model, "quantized", None) is None and not isinstance(model.layers[0].feed_forward.w13, Int8Linear)
+    ar = make_runner("ar", model, tok, model_dir)
+    for ids in (prompt_ids[0], prompt_ids[-1]):
+        assert spec(ids, max_new_tokens=40).token_ids == ar(ids, max_new_tokens=40).token_ids
+
+
 def test_unknown_quantize_mode_is_a_clear_error():
     with pytest.raises(D3DError, match="unknown --quantize mode 'int3'"):
         apply_quantize(nn.Linear(2, 2), "int3", None)

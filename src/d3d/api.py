@@ -15,7 +15,7 @@ import torch
 from .engine import GenerationResult, LogprobRecorder, validate_request
 from .errors import D3DError
 from .loading import load_target
-from .methods import BEST_METHOD, make_runner, parse_methods
+from .methods import BEST_METHOD, check_quantize_drafter, make_runner, parse_methods
 from .prompts import encode_prompt
 from .verify import SamplingParams
 
@@ -121,14 +121,16 @@ class Generator:
 
 def load(target: str | None = None, method: str = BEST_METHOD, drafter: str | None = None,
          threads: int | None = None, device: str = "cpu", block_size: int = 16,
-         quantize: str | None = None, compile: bool = False) -> Generator:
+         quantize: str | None = None, compile: bool = False, quantize_drafter: str | None = None) -> Generator:
     """Load a target and a decoding method; returns a Generator (see Generator.generate).
 
     target: a Hugging Face model folder or .gguf file (None = the embedded SmolLM2-135M-Instruct);
     method: a registered method name (d3d.registry; default: BEST_METHOD); drafter: checkpoint for drafter-based
     methods (None = the one shipped for the target); threads: torch CPU threads (None = leave torch's
     setting alone; it is process-wide); quantize: None (fp32) or "int8" (target and drafter);
-    compile: compile the target's forward passes (fastpath.compile_decode; fp32 CPU; 1-2 minutes)."""
+    compile: compile the target's forward passes (fastpath.compile_decode; fp32 CPU; 1-2 minutes);
+    quantize_drafter: "int8" for an int8 drafter whatever the target's precision (the output is the
+    target's either way; None: the drafter follows `quantize`)."""
     methods = parse_methods(method)
     if len(methods) != 1:
         raise D3DError("load takes exactly one method")
@@ -138,6 +140,8 @@ def load(target: str | None = None, method: str = BEST_METHOD, drafter: str | No
         torch.set_num_threads(threads)
     if drafter is not None and not Path(drafter).expanduser().exists():
         raise D3DError(f"drafter path does not exist: {drafter}")
+    check_quantize_drafter(quantize_drafter, methods)
     model, tok, model_dir = load_target(target, device, quantize=quantize, compile=compile)
-    runner = make_runner(methods[0], model, tok, model_dir, drafter=drafter, block_size=block_size)
+    runner = make_runner(methods[0], model, tok, model_dir, drafter=drafter, block_size=block_size,
+                         quantize_drafter=quantize_drafter)
     return Generator(model, tok, model_dir, methods[0], runner, runner.settings["block_size"])

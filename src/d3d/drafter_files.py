@@ -114,9 +114,12 @@ def _share_target_layers(d: Drafter, target: Transformer) -> dict[str, torch.Ten
     return {k: v for k, v in d.state_dict().items() if k.startswith(_layer_prefixes(d.cfg.from_target))}
 
 
-def load_drafter(folder: str | Path, target: Transformer, tokenizer, device: str = "cpu") -> Drafter:
+def load_drafter(folder: str | Path, target: Transformer, tokenizer, device: str = "cpu",
+                 quantize: str | None = None) -> Drafter:
     """Load a drafter for `target`; a drafter trained for another tokenizer/target is a clear error.
-    What the checkpoint does not store (embedding, head rows, cfg.from_target layers) comes from `target`."""
+    What the checkpoint does not store (embedding, head rows, cfg.from_target layers) comes from `target`.
+    quantize: "int8" quantizes the drafter whatever the target's precision (its numerics only change which
+    tokens are proposed, never the output, which verification takes from the target); None: as the target."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
@@ -144,7 +147,7 @@ def load_drafter(folder: str | Path, target: Transformer, tokenizer, device: str
     d.load_state_dict(state, strict=True, assign=True)
     d.inv_freq = rope_frequencies(cfg.model_args)
     d = pack_linears(d.to(device).eval().requires_grad_(False))
-    d = apply_quantize(d, getattr(target, "quantized", None), tokenizer, batch_invariant=False)
+    d = apply_quantize(d, quantize or getattr(target, "quantized", None), tokenizer, batch_invariant=False)
     if type(d) is Drafter and d.output.weight.device.type == "cpu" and kernels_available():
         d.pack_cpu_layers()  # one C++ call per layer, fp32 or int8, as the target (DFlash's own forward stays in PyTorch)
     return d

@@ -16,13 +16,14 @@ BASELINE_SUFFIX = {m.name: m.drafter_suffix for m in REGISTRY.values() if m.draf
 
 
 def make_runner(method: str, model, tokenizer, model_dir: Path, drafter: str | Path | None = None,
-                block_size: int = 16, draft_device: str | None = None, **options) -> Runner:
+                block_size: int = 16, draft_device: str | None = None, quantize_drafter: str | None = None,
+                **options) -> Runner:
     """A Runner: (prompt_ids, params=..., max_new_tokens=..., stop=...) -> GenerationResult, with the
-    settings it runs with in .settings. options: method options, e.g. tree_budget for d3d-tree (None =
-    fitted to this device)."""
+    settings it runs with in .settings. quantize_drafter: "int8" for an int8 drafter on any target (None:
+    as the target). options: method options, e.g. tree_budget for d3d-tree (None = fitted to this device)."""
     m = get(method)
     setup = Setup(model, tokenizer, Path(model_dir), drafter_path(method, model_dir, drafter), block_size,
-                  draft_device, {k: v for k, v in options.items() if v is not None})
+                  draft_device, {k: v for k, v in options.items() if v is not None}, quantize_drafter)
     return m.runner(setup)
 
 
@@ -43,3 +44,16 @@ def parse_methods(spec: str) -> list[str]:
         raise D3DError("no method given")
     return methods
 
+
+
+def check_quantize_drafter(mode: str | None, methods: list[str]) -> None:
+    """A clear error for a drafter quantization that cannot apply: an unknown mode, or no method in
+    `methods` that loads a learned drafter."""
+    from .quantize import QUANTIZE_MODES
+
+    if mode is None:
+        return
+    if mode not in QUANTIZE_MODES:
+        raise D3DError(f"unknown --quantize-drafter mode {mode!r}; choose from {', '.join(QUANTIZE_MODES)}")
+    if not any(get(m).drafter_kind for m in methods):
+        raise D3DError(f"--quantize-drafter needs a method with a learned drafter (got {', '.join(methods)})")

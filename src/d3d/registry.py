@@ -40,6 +40,7 @@ class Setup:
     block_size: int = 16
     draft_device: str | None = None
     options: dict = field(default_factory=dict)
+    quantize_drafter: str | None = None  # "int8": the drafter in int8 whatever the target's precision
 
     @property
     def device(self) -> str:
@@ -49,7 +50,8 @@ class Setup:
         """The drafter checkpoint loaded for this target, checked to be of `kind`."""
         from .drafter_files import load_drafter
 
-        d = load_drafter(self.drafter_path, self.model, self.tokenizer, device=device or self.device)
+        d = load_drafter(self.drafter_path, self.model, self.tokenizer, device=device or self.device,
+                         quantize=self.quantize_drafter)
         if d.cfg.kind != kind:
             hint = next((m.name for m in REGISTRY.values() if m.drafter_kind == d.cfg.kind), "?")
             raise D3DError(f"method {method} needs a drafter of kind {kind!r}; {self.drafter_path} is "

@@ -28,6 +28,9 @@ def _add_target_args(p: argparse.ArgumentParser, device: bool = True) -> None:
         p.add_argument("--device", default="cpu")
         p.add_argument("--quantize", choices=["int8"], default=None,
                        help="int8 weights for target and drafter (CPU, d3d's own kernels); default: fp32")
+        p.add_argument("--quantize-drafter", choices=["int8"], default=None,
+                       help="int8 weights for the drafter only, whatever the target's precision (the output "
+                            "stays the target's; default: as --quantize)")
         p.add_argument("--compile", action="store_true",
                        help="compile the target's forward passes (torch.compile; fp32 CPU; 1-2 min at start)")
 

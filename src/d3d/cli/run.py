@@ -15,7 +15,7 @@ from .checks import (check_budget, check_device, check_drafter, dest, drafter_fo
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from ..methods import make_runner, parse_methods
+    from ..methods import check_quantize_drafter, make_runner, parse_methods
     from ..prompts import encode_prompt
 
     if not args.prompt.strip():
@@ -37,9 +37,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if args.trace:
         output_folder(args.trace, "--trace")
 
+    check_quantize_drafter(args.quantize_drafter, methods)
     model, tok, model_dir = open_target(args.target, args.device, args.quantize, args.compile)
     runner = make_runner(method, model, tok, model_dir, drafter=drafter_for(method, args), block_size=args.block_size,
-                         draft_device=args.draft_device, **options)
+                         draft_device=args.draft_device, quantize_drafter=args.quantize_drafter, **options)
     extra = {"trace": []} if args.trace else {}
     res = runner(encode_prompt(tok, args.prompt, args.raw), params=params, max_new_tokens=args.max_new_tokens,
                  stop=args.stop, **extra)
@@ -96,7 +97,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from ..bench import format_table, machine_info, run_bench
     from ..data import atomic_write_json
     from ..drafter_files import weights_fingerprint
-    from ..methods import make_runner, parse_methods
+    from ..methods import check_quantize_drafter, make_runner, parse_methods
 
     methods = parse_methods(args.methods)
     methods = ["ar"] + [m for m in dict.fromkeys(methods) if m != "ar"]
@@ -112,12 +113,14 @@ def cmd_bench(args: argparse.Namespace) -> None:
     named = named_paths(args.drafters, "--drafters")
     if named and not any(get(m).option == "drafter" for m in methods):
         raise D3DError("--drafters needs a method that takes --drafter in --methods (e.g. d3d, d3d-async)")
+    check_quantize_drafter(args.quantize_drafter, methods)
     prompts = _bench_prompts(args)
     out = output_folder(args.out, "--out")
 
     model, tok, model_dir = open_target(args.target, args.device, args.quantize, args.compile)
     runs = _bench_runs(methods, named, args, model_dir)
-    runners = {name: make_runner(m, model, tok, model_dir, drafter=path, block_size=args.block_size, **options)
+    runners = {name: make_runner(m, model, tok, model_dir, drafter=path, block_size=args.block_size,
+                                 quantize_drafter=args.quantize_drafter, **options)
                for name, (m, path) in runs.items()}
     settings = {"methods": methods, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                 "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "block_size": args.block_size,
@@ -126,7 +129,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
                 **({"drafters": named} if named else {}),
                 "drafter_weights": {n: weights_fingerprint(p) for n, (_, p) in runs.items() if p is not None},
                 "benchmarks": list(prompts), "limit": args.limit, "quick": args.quick, "quantize": args.quantize,
-                "compile": args.compile}
+                "quantize_drafter": args.quantize_drafter, "compile": args.compile}
     for runner in runners.values():  # what a method resolved itself, e.g. d3d-tree's budget and cost curve
         settings.update({k: v for k, v in runner.settings.items() if k != "block_size"})
     curve = None
@@ -180,7 +183,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     check_drafter(args.drafter)
     check_address(args.host, args.port)
     gen = load(args.target, args.method or BEST_METHOD, args.drafter, device=args.device, block_size=args.block_size,
-               quantize=args.quantize, compile=args.compile)
+               quantize=args.quantize, compile=args.compile, quantize_drafter=args.quantize_drafter)
     key = args.api_key or os.environ.get("D3D_API_KEY") or None
     print(f"d3d serve: {gen.name} with method {gen.method} on http://{args.host}:{args.port} "
           f"(web page at /, OpenAI API at /v1; API key {'required' if key else 'not required'})",
