@@ -125,11 +125,6 @@ def drafter_costs(proposer: D3DProposer, slots: list[int | None], context: int =
     return {s: min(t) for s, t in times.items()}
 
 
-def drafter_cost(proposer: D3DProposer, slots: int | None = None) -> float:
-    """Seconds of one synchronous D3D draft of `slots` slots (None: the whole block); see drafter_costs."""
-    return drafter_costs(proposer, [slots])[slots]
-
-
 def choose_slots(proposer: D3DProposer, max_ratio: float = 1.25) -> tuple[int, float]:
     """(slots, seconds a draft of them costs): the most slots (of 2, 4, 8, ..., the block) whose drafting
     pass costs at most `max_ratio` times a 2-slot pass. Acceptance lives in a drafter's first few slots,
