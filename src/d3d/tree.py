@@ -5,7 +5,7 @@ Each round the proposers add paths to a trie rooted at the pending token; the be
 target at once and verification walks the accepted path, losslessly (d3d.tokentree states the rule).
 With a cost model the drafter is also skipped in rounds where it has recently not been worth its own
 cost (TreeProposer.drafting_pays), and drafts only its first slots where more would cost more than they
-win (treecost.choose_slots: 4 of 16 on a 2-core CPU, with the same tau). An n-gram node's chance of
+win (treecost.choose_slots: 4 or 8 of 16 on a 2-core CPU, with the same tau). An n-gram node's chance of
 acceptance is learned per (n, match rank, position in the copy) from the nodes whose parent verification
 reached: the fixed guesses it starts from were 2-3x too high for short matches.
 
