@@ -77,7 +77,7 @@ def main() -> None:
         if name == "compiled":
             compile_s = round(time.perf_counter() - t0, 1)
         elif name == "pytorch":
-            runtimes[name].cpu_layers = runtimes[name].cpu_head = None
+            runtimes[name].drop_cpu_layers()
         elif name != "cpu":
             raise SystemExit(f"unknown runtime {name!r}")
     rows = []

@@ -15,7 +15,8 @@ from d3d.engine import LogprobRecorder, generate
 from d3d.methods import make_runner
 from d3d.proposer import D3DProposer
 from d3d.tokentree import Candidate, TokenTree, TreeDraft, compact_cache, tree_logits, tree_mask, tree_positions
-from d3d.tree import TreeProposer, generate_tree, ngram_continuations
+from d3d.ngram import ngram_continuations
+from d3d.tree import TreeProposer, generate_tree
 from d3d.treecost import WidthCost, choose_budget, choose_slots
 from d3d.verify import SamplingParams, probs_from_logits, sample
 from sampling_law import EOS, V, StubTokenizer, chi2_pvalue, draw, exact_law, tiny_drafter, tiny_model

@@ -97,10 +97,11 @@ class Drafter(Transformer):
         del self.cached_tokens[n:]
         return tokens[n:]
 
-    @property
-    def mask_slots(self) -> int:
-        """Mask tokens fed per block: B, or B - 1 with token shift (slot 0 is then the last clean token)."""
-        return self.block_size - 1 if self.cfg.shift else self.block_size
+    def mask_slots(self, slots: int | None = None) -> int:
+        """Mask tokens fed for a block of `slots` slots (None: the whole block): as many, or one fewer with
+        token shift (slot 0 is then the last clean token's own state)."""
+        slots = self.block_size if slots is None else slots
+        return slots - 1 if self.cfg.shift else slots
 
     @torch.no_grad()
     def draft_block(self, tokens: list[int], slots: int | None = None) -> torch.Tensor:
@@ -117,7 +118,7 @@ class Drafter(Transformer):
         new = self.sync_context(tokens)
         if self.cfg.shift and not new:  # slot 0 is the last token's state: feed it again
             new = self.sync_context(tokens[:-1]) + tokens[-1:]
-        n, L, B = len(new), self.cache_len, slots - 1 if self.cfg.shift else slots
+        n, L, B = len(new), self.cache_len, self.mask_slots(slots)
         device = self.draft_ids.device
         feed = torch.tensor([new + [self.mask_id] * B], device=device)
         positions = torch.cat([torch.arange(L, L + n), torch.arange(L + n, L + n + B)]).to(device)

@@ -14,7 +14,6 @@ import torch
 from .drafter import Drafter, DrafterConfig, drafter_class, tokenizer_fingerprint
 from .errors import D3DError
 from .fastpath import pack_linears
-from .kernels import kernels_available
 from .quantize import apply_quantize
 from .target import Transformer, rope_frequencies
 
@@ -148,6 +147,6 @@ def load_drafter(folder: str | Path, target: Transformer, tokenizer, device: str
     d.inv_freq = rope_frequencies(cfg.model_args)
     d = pack_linears(d.to(device).eval().requires_grad_(False))
     d = apply_quantize(d, quantize or getattr(target, "quantized", None), tokenizer, batch_invariant=False)
-    if type(d) is Drafter and d.output.weight.device.type == "cpu" and kernels_available():
+    if type(d) is Drafter:
         d.pack_cpu_layers()  # one C++ call per layer, fp32 or int8, as the target (DFlash's own forward stays in PyTorch)
     return d

@@ -77,7 +77,7 @@ def compile_decode(model: Transformer) -> Transformer:
                        "the transformers fallback)")
     if not hasattr(torch.compiler, "set_stance"):
         raise D3DError(f"--compile needs torch >= 2.6 (this is {torch.__version__})")
-    model.cpu_layers, model.cpu_head, model.cpu_packed_from = None, None, []  # the graphs trace the PyTorch layers
+    model.drop_cpu_layers()  # the graphs trace the PyTorch layers
     model.setup_cache(1, model.args.max_seq_len)
     model.compiled_cache = model.layers[0].attention.k_cache
     model.compiled_step = torch.compile(model.decode_step, dynamic=True)

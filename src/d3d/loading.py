@@ -10,7 +10,6 @@ import torch
 from .checkpoints import load_state_dict, load_tokenizer, read_hf_config, resolve_target
 from .errors import D3DError
 from .fastpath import compile_decode, pack_linears
-from .kernels import kernels_available
 from .target import ModelArgs, Transformer, rope_frequencies
 
 LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3"}
@@ -74,8 +73,7 @@ def load_target(target: str | None = None, device: str = "cpu", max_seq_len: int
     model = apply_quantize(model, quantize, tokenizer)  # int8 takes the C++ layers itself
     if compile:
         return compile_decode(model), tokenizer, model_dir
-    if quantize is None and isinstance(model, Transformer) and model.output.weight.device.type == "cpu" \
-            and kernels_available():
-        model.pack_cpu_layers()  # fp32: one C++ call per layer (d3d.kernels)
+    if quantize is None and isinstance(model, Transformer):
+        model.pack_cpu_layers()  # fp32: one C++ call per layer (d3d.kernels), where they can run
     return model, tokenizer, model_dir
 

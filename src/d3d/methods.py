@@ -45,7 +45,6 @@ def parse_methods(spec: str) -> list[str]:
     return methods
 
 
-
 def check_quantize_drafter(mode: str | None, methods: list[str]) -> None:
     """A clear error for a drafter quantization that cannot apply: an unknown mode, or no method in
     `methods` that loads a learned drafter."""

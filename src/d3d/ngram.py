@@ -39,14 +39,9 @@ class NgramProposer:
         return follow, None
 
     def _match(self, tokens: list[int], k: int) -> tuple[list[int], int]:
-        L = len(tokens)
-        for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
-            suffix = tokens[L - n:]
-            for start in range(L - n - 1, -1, -1):  # latest earlier occurrence first
-                if tokens[start:start + n] == suffix:
-                    follow = tokens[start + n:start + n + k]
-                    if follow:
-                        return follow, n
+        """(what followed the longest, latest match, n), or ([], 0)."""
+        for n, follow in ngram_continuations(tokens, k, 1, self.max_ngram, self.min_ngram):
+            return follow, n
         return [], 0
 
     def _observe(self, tokens: list[int]) -> None:
@@ -67,6 +62,24 @@ class NgramProposer:
             if rate > best_rate:
                 best, best_rate = length, rate
         return best
+
+
+def ngram_continuations(tokens: list[int], k: int, max_matches: int = 4, max_ngram: int = 3,
+                        min_ngram: int = 1) -> list[tuple[int, list[int]]]:
+    """Up to `max_matches` distinct continuations (n, next <= k tokens) of earlier occurrences of the
+    text's last n tokens: longest n first, latest occurrence first."""
+    L, out, seen = len(tokens), [], set()
+    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
+        suffix = tokens[L - n:]
+        for start in range(L - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                follow = tuple(tokens[start + n:start + n + k])
+                if follow and follow not in seen:
+                    seen.add(follow)
+                    out.append((n, list(follow)))
+                    if len(out) >= max_matches:
+                        return out
+    return out
 
 
 def score_copy(hits: list[float], tokens: list[int], start: int, follow: list[int]) -> None:

@@ -49,7 +49,7 @@ def packed_input(drafter: Drafter, L: int, V: list[int], candidates: list[int] |
     candidates default to every acceptance count 0..len(V)-1; slots default to the drafter's block size
     (one mask fewer per candidate with token shift)."""
     cands = list(range(len(V))) if candidates is None else list(candidates)
-    S = (slots or drafter.block_size) - (1 if drafter.cfg.shift else 0)
+    S = drafter.mask_slots(slots)
     device = drafter.draft_ids.device
     tokens = torch.tensor([list(V) + [drafter.mask_id] * (len(cands) * S)], device=device)
     positions, mask = packed_layout(L, len(V), cands, S, device)
@@ -75,7 +75,7 @@ def packed_draft(drafter: Drafter, V: list[int], candidates: list[int] | None = 
     x, _ = drafter.hidden(tokens, mask=mask, positions=positions)
     drafter.cache_len = L + len(V)
     drafter.cached_tokens += list(V)
-    h = x[0, len(V):].view(len(cands), S - (1 if drafter.cfg.shift else 0), -1)
+    h = x[0, len(V):].view(len(cands), drafter.mask_slots(S), -1)
     if drafter.cfg.shift:
         h = torch.cat([x[0, cands][:, None], h], dim=1)
     return drafter.head(h) if apply_head else h

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .errors import D3DError
-from .kernels import layer_params, pack_fp32
+from .kernels import kernels_available, layer_params, pack_fp32
 
 COMPILED_MIN_START = 2  # dynamo specialises the integers 0 and 1: a step at those positions runs eagerly
 
@@ -218,16 +218,22 @@ class Transformer(nn.Module):
         torch.ops.d3d.layer call per layer, on weights packed for d3d's CPU kernels (d3d.kernels): every
         row is computed on its own, so verification rows and token trees are bitwise what one-token
         decoding steps compute, and the ~25 small ops of a layer run as one C++ call. fp32 weights are
-        copied into the packed layout (and repacked if they change); int8 (d3d.quantize) are used as they are."""
-        params = [layer_params(layer) for layer in self.layers]
-        if any(p is None for p in params):
-            self.cpu_layers, self.cpu_head, self.cpu_packed_from = None, None, []
+        copied into the packed layout (and repacked if they change); int8 (d3d.quantize) are used as they are.
+        Off the CPU, without the kernels (no compiler) or with weights they cannot take, the PyTorch layers stay."""
+        usable = self.tok_embeddings.weight.device.type == "cpu" and kernels_available()
+        params = [layer_params(layer) for layer in self.layers] if usable else None
+        if params is None or any(p is None for p in params):
+            self.drop_cpu_layers()
             return
         self.cpu_layers, self.cpu_layers_of = params, self.layers
         fp32 = isinstance(self.output, nn.Linear)
         self.cpu_head = pack_fp32(self.output.weight) if fp32 else None
         linears = [m for m in self.modules() if isinstance(m, nn.Linear)] if fp32 else []
         self.cpu_packed_from = [(m, m.weight, m.weight._version) for m in linears]
+
+    def drop_cpu_layers(self) -> None:
+        """Run every forward on the PyTorch layers again (compiled graphs trace them; a reference run)."""
+        self.cpu_layers, self.cpu_head, self.cpu_packed_from = None, None, []
 
     def _cpu_ready(self, batch: int, mask: torch.Tensor | None) -> bool:
         """Whether this forward may run on the CPU layers (pack_cpu_layers): one sequence, a bool mask, the

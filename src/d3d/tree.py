@@ -24,6 +24,7 @@ import torch
 
 from .engine import GenerationResult, LogprobRecorder, StopChecker, commit_round, finish, prefill, validate_request
 from .errors import D3DError
+from .ngram import ngram_continuations
 from .proposer import D3DProposer, sample_draft
 from .registry import Method, Runner, Setup, register
 from .tokentree import TokenTree, TreeDraft, compact_cache, tree_logits, verify_tree
@@ -40,24 +41,6 @@ PROBE_ROUNDS = 8         # a drafter that does not pay still runs once every thi
 
 # --------------------------------------------------------------------------------------------
 # Proposers
-
-
-def ngram_continuations(tokens: list[int], k: int, max_matches: int = 4, max_ngram: int = 3,
-                        min_ngram: int = 1) -> list[tuple[int, list[int]]]:
-    """Up to `max_matches` distinct continuations (n, next <= k tokens) of earlier occurrences of the
-    text's last n tokens: longest n first, latest occurrence first."""
-    L, out, seen = len(tokens), [], set()
-    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
-        suffix = tokens[L - n:]
-        for start in range(L - n - 1, -1, -1):
-            if tokens[start:start + n] == suffix:
-                follow = tuple(tokens[start + n:start + n + k])
-                if follow and follow not in seen:
-                    seen.add(follow)
-                    out.append((n, list(follow)))
-                    if len(out) >= max_matches:
-                        return out
-    return out
 
 
 @dataclass
