@@ -116,8 +116,8 @@ def drafter_costs(proposer: D3DProposer, slots: list[int | None], context: int =
     d.draft_block(text)
     times: dict[int | None, list[float]] = {s: [] for s in slots}
     for i in range(repeats):
-        for s in slots:
-            text[-1] = 1 + len(times[s]) % 2 + 2 * (i % 2)  # the last token changes: each draft feeds it again
+        for j, s in enumerate(slots):
+            text[-1] = 1 + (i * len(slots) + j) % 2  # the last token changes: every draft feeds it again
             t0 = time.perf_counter()
             d.draft_block(text, s)
             sync_device(d.draft_ids.device)
