@@ -153,7 +153,7 @@ def test_checkpoint_round_trip(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dr"]
 
 
-def test_train_can_fine_tune_a_shipped_drafter(tmp_path):
+def test_train_can_fine_tune_a_shipped_drafter(tmp_path, smol):
     from d3d.train import train_drafter
 
     shipped, data = DEFAULT_DRAFTERS / "SmolLM2-135M-Instruct", Path(__file__).resolve().parents[1] / "data" / "distill"
@@ -169,6 +169,12 @@ def test_train_can_fine_tune_a_shipped_drafter(tmp_path):
     assert summary["init_training"]["command"] == original["training"]["command"]
     assert tuned["init_layers"] == original["init_layers"]
     assert tuned["draft_vocab_size"] == original["draft_vocab_size"]
+    # the fine-tuned checkpoint loads back (the drafter it started from was packed for the CPU layers, whose
+    # layer list once joined the state dict under a second name) and drafts with the trained weights
+    back = load_drafter(tmp_path / "tuned", smol[0], smol[1])
+    assert not any(k.startswith("cpu_layers") for k in back.state_dict())
+    assert not torch.equal(back.layers[0].attention.wqkv.weight,
+                           load_drafter(shipped, smol[0], smol[1]).layers[0].attention.wqkv.weight)
 
 
 def test_draft_after_incremental_updates_equals_from_scratch():

@@ -7,6 +7,7 @@ logical length is a single integer, so rolling back after a rejected draft is O(
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -177,7 +178,9 @@ class Transformer(nn.Module):
         self.cpu_layers: list[list[torch.Tensor]] | None = None  # torch.ops.d3d.layer's weights (pack_cpu_layers)
         self.cpu_head: torch.Tensor | None = None  # the LM head packed for fp32_linear
         self.cpu_packed_from: list[tuple[nn.Module, torch.Tensor, int]] = []  # fp32 linears: (module, weight, version)
-        self.cpu_layers_of: nn.ModuleList | None = None  # the layer list packed (d3d.drafter.bypassed swaps it)
+        # the layer list packed (d3d.drafter.bypassed swaps it); a weak reference, since a module held as an
+        # attribute would join the state dict (and every saved checkpoint) a second time
+        self.cpu_layers_of: weakref.ref | None = None
 
     def setup_cache(self, max_batch: int = 1, max_len: int | None = None) -> None:
         a = self.args
@@ -225,7 +228,7 @@ class Transformer(nn.Module):
         if params is None or any(p is None for p in params):
             self.drop_cpu_layers()
             return
-        self.cpu_layers, self.cpu_layers_of = params, self.layers
+        self.cpu_layers, self.cpu_layers_of = params, weakref.ref(self.layers)
         fp32 = isinstance(self.output, nn.Linear)
         self.cpu_head = pack_fp32(self.output.weight) if fp32 else None
         linears = [m for m in self.modules() if isinstance(m, nn.Linear)] if fp32 else []
@@ -240,7 +243,7 @@ class Transformer(nn.Module):
         layers that were packed (not a pruning trial's subset), no gradient needed; fp32 weights changed
         since packing (an optimizer step) are repacked first."""
         if self.cpu_layers is None or batch != 1 or (mask is not None and mask.dtype != torch.bool) \
-                or self.layers is not self.cpu_layers_of:
+                or self.cpu_layers_of() is not self.layers:
             return False
         if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
             return False
