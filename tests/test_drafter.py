@@ -1,5 +1,6 @@
 """The D3D drafter: attention layout, training, checkpoints, cache consistency, losslessness."""
 import json
+import os
 import random
 import subprocess
 import sys
@@ -151,6 +152,14 @@ def test_checkpoint_round_trip(tmp_path):
         assert torch.equal(a, b), k
     save_drafter(d, tmp_path / "dr")  # overwrite in place, atomically
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dr"]
+    mask = os.umask(0o022)  # written as under a usual umask, not private as temp files are born
+    try:
+        save_drafter(d, tmp_path / "dr")
+    finally:
+        os.umask(mask)
+    assert (tmp_path / "dr").stat().st_mode & 0o777 == 0o755
+    assert {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "dr").iterdir()} == \
+        {"drafter.safetensors": 0o644, "drafter.json": 0o644}
 
 
 def test_train_can_fine_tune_a_shipped_drafter(tmp_path, smol):

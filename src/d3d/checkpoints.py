@@ -24,6 +24,18 @@ _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SOURCE_FILE = "d3d_source.json"  # beside a target converted from GGUF: which file it came from
 
 
+def umask_modes(path: Path) -> Path:
+    """Give `path` (a file, or a folder and the files in it) the permissions a plain write would have had
+    under the process umask. Temp files and folders (tempfile, safetensors) are created private (0600 /
+    0700), and an atomic write renames them into place as they are: a drafter saved for a team, or a model
+    cache shared on a machine, would be unreadable to everyone else."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for p in [path, *(path.iterdir() if path.is_dir() else [])]:
+        p.chmod((0o777 if p.is_dir() else 0o666) & ~mask)
+    return path
+
+
 def cache_dir() -> Path:
     root = os.environ.get("D3D_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "d3d")
     return Path(root)
@@ -63,7 +75,7 @@ def _convert_gguf(gguf: Path, out: Path) -> Path:
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     (tmp / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf.resolve())}) + "\n")
-    os.replace(tmp, out)
+    os.replace(umask_modes(tmp), out)
     return out
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from .checkpoints import umask_modes
 from .drafter import Drafter, DrafterConfig, drafter_class, tokenizer_fingerprint
 from .errors import D3DError
 from .fastpath import pack_linears
@@ -88,6 +89,7 @@ def save_drafter(d: Drafter, folder: Path, dtype: torch.dtype = torch.float16,
         name = WEIGHTS_NAME if len(shards) == 1 else f"drafter-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(part, tmp / name)
     (tmp / CONFIG_NAME).write_text(json.dumps(asdict(d.cfg), indent=1) + "\n")
+    umask_modes(tmp)
     if folder.exists():
         old = folder.with_name(folder.name + ".old")
         shutil.rmtree(old, ignore_errors=True)

@@ -16,6 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from .checkpoints import umask_modes
 from .engine import GenerationResult, StopChecker
 from .errors import D3DError
 from .registry import Method, Setup, register
@@ -69,7 +70,7 @@ def convert_gguf(src: Path, dst: Path, weights: str) -> Path:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    os.replace(tmp, dst)
+    os.replace(umask_modes(Path(tmp)), dst)
     return dst
 
 
