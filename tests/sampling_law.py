@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 from scipy import stats
 
+from d3d.datastore import Datastore
 from d3d.drafter import Drafter, drafter_from_target
 from d3d.target import ModelArgs, Transformer
 from d3d.verify import SamplingParams
@@ -108,6 +109,19 @@ def tiny_model(noise: float = 0.0) -> Transformer:
 def tiny_drafter(target: Transformer, block: int = 4) -> Drafter:
     """An untrained D3D drafter copied from the tiny target's layers: right part of the time."""
     return drafter_from_target(target, StubTokenizer(), "tiny", [0, 1], block).eval().requires_grad_(False)
+
+
+def tiny_datastore(target: Transformer, prompt: list[int], n: int = 24) -> Datastore:
+    """A datastore of the tiny target's own sampled continuations of `prompt` (temperature 1, 6 tokens
+    each), as `d3d datastore` makes one of distillation data: often, not always, what it says next."""
+    from d3d.engine import generate
+
+    sep = (1 << V.bit_length()) - 1
+    tokens = []
+    for seed in range(n):
+        res = generate(target, StubTokenizer(), prompt, SamplingParams(temperature=1.0, seed=1000 + seed), 6)
+        tokens += prompt[-2:] + res.token_ids + [sep]
+    return Datastore(torch.tensor(tokens).numpy(), V)
 
 
 def draw(run: Callable[[SamplingParams], object], params: SamplingParams, n: int,

@@ -283,7 +283,7 @@ MAX_NEW_ALL = 6               # ... of generations long enough for several round
 N_ALL = 1200
 ASYNC_OPTIONS = {"d3d-async": {}, "d3d-async max_candidates=2": {"max_candidates": 2},
                  "d3d-async successor_slots=2": {"successor_slots": 2}, "d3d-async head_all": {"head_all": True}}
-CASES = [("ngram", TRUNCATED), ("d3d", TEMP), ("d3d", TRUNCATED), ("d3d-tree", TEMP)] + \
+CASES = [("ngram", TRUNCATED), ("d3d", TEMP), ("d3d", TRUNCATED), ("d3d-tree", TEMP), ("lookup-tree", TRUNCATED)] + \
     [(name, TRUNCATED) for name in ASYNC_OPTIONS]
 
 
@@ -294,6 +294,7 @@ def method_runner(method: str, target, drafter):
     from d3d.proposer import D3DProposer
     from d3d.tree import TreeProposer, generate_tree
     from d3d.treecost import WidthCost
+    from sampling_law import tiny_datastore
 
     tok = StubTokenizer()
     if method in ASYNC_OPTIONS:
@@ -302,6 +303,10 @@ def method_runner(method: str, target, drafter):
     if method == "d3d-tree":  # with a cost model: trees cut by width and the drafter skipped when it does not pay
         cost = WidthCost({1: 1.0, 2: 1.2, 8: 1.6}, overhead=0.9)  # skips the drafter in about half the rounds
         tree = TreeProposer(D3DProposer(drafter, V, max_len=64), budget=8, cost=cost)
+        return lambda p: generate_tree(target, tok, PROMPT_ALL, p, MAX_NEW_ALL, proposer=tree, max_depth=3)
+    if method == "lookup-tree":  # n-gram matches and continuations retrieved from the target's own samples
+        tree = TreeProposer(None, budget=8, cost=WidthCost({1: 1.0, 2: 1.2, 8: 1.6}),
+                            datastore=tiny_datastore(target, PROMPT_ALL))
         return lambda p: generate_tree(target, tok, PROMPT_ALL, p, MAX_NEW_ALL, proposer=tree, max_depth=3)
     if method == "ngram":  # with a cost model: drafts cut by their estimated chance against the width's cost
         proposer = NgramProposer(cost=WidthCost({1: 1.0, 2: 1.1, 8: 1.6}))

@@ -16,10 +16,11 @@ from d3d.methods import make_runner
 from d3d.proposer import D3DProposer
 from d3d.tokentree import Candidate, TokenTree, TreeDraft, compact_cache, tree_logits, tree_mask, tree_positions
 from d3d.ngram import ngram_continuations
+from d3d.datastore import shipped_datastore
 from d3d.tree import TreeProposer, generate_tree
 from d3d.treecost import WidthCost, choose_budget, choose_slots
 from d3d.verify import SamplingParams, probs_from_logits, sample
-from sampling_law import EOS, V, StubTokenizer, chi2_pvalue, draw, exact_law, tiny_drafter, tiny_model
+from sampling_law import EOS, V, StubTokenizer, chi2_pvalue, draw, exact_law, tiny_datastore, tiny_drafter, tiny_model
 
 GREEDY = SamplingParams()
 CONTEXT = [1, 2, 3, 4, 5, 1, 2]
@@ -144,6 +145,10 @@ def test_the_drafter_runs_while_it_pays_and_is_probed_when_it_does_not():
     for _ in range(10):
         tree.accepted(drafted, [1], drafted=True)  # now its token is accepted every round
     assert tree.drafting_pays()
+    copied = TokenTree([0, 5, 6, 7, 8], [-1, 0, 1, 2, 3], [0, 1, 2, 3, 4], [{"root"}] + [{"ngram"}] * 4, [[]] * 5)
+    for _ in range(d3d.tree.PROBE_ROUNDS - 1):
+        tree.accepted(copied, [1, 2, 3, 4], drafted=False)  # n-gram copies make tokens 5x cheaper ...
+    assert not tree.drafting_pays()  # ... so the drafter's one token a round is no longer worth its cost
 
 
 def test_ngram_rates_are_learned_from_the_nodes_whose_parent_was_reached():
@@ -181,7 +186,8 @@ def test_choose_slots_keeps_the_slots_that_cost_little(monkeypatch):
 def test_greedy_equals_plain_decoding_on_real_prompts(smol, prompt_ids, short_answer_ids):
     model, tok, model_dir = smol
     tree = make_runner("d3d-tree", model, tok, model_dir, tree_budget=24)
-    assert tree.settings == {"block_size": 16, "tree_budget": 24, "draft_slots": None, "tree_width_cost_s": None}
+    assert tree.settings == {"block_size": 16, "tree_budget": 24, "draft_slots": None, "tree_width_cost_s": None,
+                             "datastore": str(shipped_datastore(model_dir).resolve())}
     branches = Counter()
     for ids in prompt_ids[:1] + prompt_ids[-1:]:
         ar = generate(model, tok, ids, GREEDY, 32)
@@ -202,6 +208,21 @@ def test_greedy_equals_plain_decoding_on_real_prompts(smol, prompt_ids, short_an
     ar = generate(model, tok, prompt_ids[0], GREEDY, 5, logprobs=LogprobRecorder())
     assert res.token_ids == ar.token_ids
     assert [e.logprob for e in res.logprobs] == pytest.approx([e.logprob for e in ar.logprobs], abs=1e-3)
+
+
+def test_lookup_tree_greedy_equals_plain_decoding(smol, prompt_ids):
+    model, tok, model_dir = smol
+    lookup = make_runner("lookup-tree", model, tok, model_dir, tree_budget=12)
+    bare = make_runner("lookup-tree", model, tok, model_dir, tree_budget=12, datastore="none")
+    assert lookup.settings["datastore"] and bare.settings["datastore"] is None
+    branches = Counter()
+    for ids in prompt_ids[:2]:
+        ar = generate(model, tok, ids, GREEDY, 32)
+        res = lookup(ids, params=GREEDY, max_new_tokens=32)
+        assert res.token_ids == ar.token_ids and max(res.tree_sizes) <= 12
+        assert bare(ids, params=GREEDY, max_new_tokens=32).token_ids == ar.token_ids
+        branches.update(res.branches)
+    assert sum(n for b, n in branches.items() if "datastore" in b) > 0  # retrieval was accepted
 
 
 # --------------------------------------------------------------------------------------------
@@ -248,7 +269,8 @@ def tree_run(target, proposer):
 
 @pytest.fixture(scope="module")
 def tree_proposer(tiny):
-    return TreeProposer(D3DProposer(tiny_drafter(tiny_model(noise=0.08)), V, max_len=64), budget=8, draft_slots=2)
+    return TreeProposer(D3DProposer(tiny_drafter(tiny_model(noise=0.08)), V, max_len=64), budget=8, draft_slots=2,
+                        datastore=tiny_datastore(tiny, [1, 2, 3, 1, 2]))
 
 
 def test_generation_keeps_the_law_and_a_broken_rule_is_caught(tiny, tree_proposer, monkeypatch):
@@ -264,6 +286,7 @@ def test_generation_keeps_the_law_and_a_broken_rule_is_caught(tiny, tree_propose
     samples, _ = draw(run, params, 1200, 4)
     assert chi2_pvalue(samples, dist) > 1e-3
     assert branches["alt"] > 50 and branches["ngram"] > 50 and branches["d3d"] > 50  # every kind of sibling
+    assert sum(n for b, n in branches.items() if "datastore" in b) > 50
     monkeypatch.setattr(d3d.tokentree, "_choose", no_residual_update)
     samples, _ = draw(tree_run(tiny, tree_proposer), params, 1200, 4)
     assert chi2_pvalue(samples, dist) < 1e-6

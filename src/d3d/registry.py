@@ -23,7 +23,7 @@ DEFAULT_DRAFTERS = Path(__file__).parent / "assets" / "drafters"
 # names its drafter checkpoint (None: no learned drafter). register() refuses a built-in declared
 # otherwise, so the parser's lists cannot drift from the methods.
 BUILTIN: dict[str, str | None] = {
-    "ar": None, "ngram": None, "d3d": "drafter", "d3d-async": "drafter", "d3d-tree": "drafter",
+    "ar": None, "ngram": None, "d3d": "drafter", "d3d-async": "drafter", "d3d-tree": "drafter", "lookup-tree": None,
     "ar-draft": "ar-drafter", "dflash": "dflash-drafter", "hf": None, "hf-lookup": None,
     "llama-cpp": None, "llama-cpp-q8": None,
 }

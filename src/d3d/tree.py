@@ -1,5 +1,7 @@
-"""d3d-tree: several candidates (the D3D drafter's block, its alternatives, n-gram matches) verified
-as one token tree per target forward (the tree itself: d3d.tokentree; its width: d3d.treecost).
+"""d3d-tree: several candidates (the D3D drafter's block, its alternatives, n-gram matches, continuations
+retrieved from the target's own outputs) verified as one token tree per target forward (the tree itself:
+d3d.tokentree; its width: d3d.treecost; the retrieval: d3d.datastore). lookup-tree is the same tree without
+the drafter.
 
 Each round the proposers add paths to a trie rooted at the pending token; the best nodes are fed to the
 target at once and verification walks the accepted path, losslessly (d3d.tokentree states the rule).
@@ -7,7 +9,8 @@ With a cost model the drafter is also skipped in rounds where it has recently no
 cost (TreeProposer.drafting_pays), and drafts only its first slots where more would cost more than they
 win (treecost.choose_slots: 4 or 8 of 16 on a 2-core CPU, with the same tau). An n-gram node's chance of
 acceptance is learned per (n, match rank, position in the copy) from the nodes whose parent verification
-reached: the fixed guesses it starts from were 2-3x too high for short matches.
+reached: the fixed guesses it starts from were 2-3x too high for short matches. A retrieved node's chance
+is learned the same way per (length of the context match, share of the matches that continued with it).
 
 Why sampling stays exact: the drafter's slot-j token is sampled once from q_j (which depends on the
 verified text only), sits only at depth j, comes first among its node's candidates, and node scores use
@@ -18,10 +21,12 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from functools import partial
+from functools import lru_cache, partial
+from pathlib import Path
 
 import torch
 
+from .datastore import Datastore, load_datastore, shipped_datastore
 from .engine import GenerationResult, LogprobRecorder, StopChecker, commit_round, finish, prefill, validate_request
 from .errors import D3DError
 from .ngram import ngram_continuations
@@ -32,10 +37,12 @@ from .treecost import WidthCost, choose_budget, choose_slots, measured_curve, wi
 from .verify import SamplingParams, make_generator
 
 NGRAM_CONFIDENCE = {1: 0.35, 2: 0.55, 3: 0.7}  # prior per-token acceptance of an n-gram match of length n
+RETRIEVAL_CONFIDENCE = {1: 0.3, 2: 0.5, 3: 0.6, 4: 0.7, 6: 0.8, 12: 0.85}  # prior x the share, by match length
 PRIOR_WEIGHT = 2.0      # the prior counts as this many observed nodes
 RATE_DECAY = 0.95       # weight of the past in the learned acceptance rates, per observed node
 ALT_TAIL_DISCOUNT = 0.5  # drafter tokens after an alternative were drafted for the other branch
 GAIN_SMOOTHING = 0.2     # weight of the latest round in the drafter's moving-average gain
+DRAFTER_SOURCES = {"d3d", "alt"}
 PROBE_ROUNDS = 8         # a drafter that does not pay still runs once every this many rounds
 
 
@@ -69,13 +76,14 @@ def d3d_block(proposer: D3DProposer, tokens: list[int], k: int, params: Sampling
 
 class TreeProposer:
     """Builds each round's token tree from the D3D drafter (its block and, at every slot, its next best
-    tokens followed by a few of the block's later tokens) and n-gram matches, under a token budget."""
+    tokens followed by a few of the block's later tokens), n-gram matches and, given a datastore, the
+    continuations retrieved from it, under a token budget. Without a drafter: lookup-tree."""
 
     name = "d3d-tree"
 
     def __init__(self, drafter: D3DProposer | None, budget: int = 32, alternatives: int = 2, alt_tail: int = 3,
                  ngram_matches: int = 4, max_ngram: int = 3, cost: WidthCost | None = None,
-                 draft_slots: int | None = None):
+                 draft_slots: int | None = None, datastore: Datastore | None = None, retrieved: int = 2):
         if budget < 1:
             raise D3DError(f"tree budget must be >= 1 (got {budget})")
         if drafter is not None and draft_slots is not None and not 1 <= draft_slots <= drafter.drafter.block_size:
@@ -83,10 +91,12 @@ class TreeProposer:
         self.d3d, self.budget, self.alternatives, self.alt_tail = drafter, budget, alternatives, alt_tail
         self.draft_slots = draft_slots
         self.ngram_matches, self.max_ngram, self.cost = ngram_matches, max_ngram, cost
+        self.datastore, self.retrieved = datastore, retrieved
         self.params = SamplingParams()
 
     def reset(self, prompt_ids: list[int]) -> None:
         self.drafter_gain, self.idle_rounds = 1.0, 0
+        self.token_time = None if self.cost is None else self.cost(1)  # modelled seconds per emitted token
         self.rates: dict[tuple, list[float]] = {}  # n-gram node label -> [accepted, tried], decayed
         if self.d3d is not None:
             self.d3d.params = self.params
@@ -94,34 +104,44 @@ class TreeProposer:
 
     def drafting_pays(self) -> bool:
         """Whether to run the drafter this round. Without a cost model, always. Else when the tokens that
-        only it proposed on recent accepted paths (a moving average per round) are worth its cost, counting
-        a token as one forward of width 1; and every PROBE_ROUNDS-th round anyway, to see whether it pays
-        again. The choice depends on verified text only, so sampling stays exact."""
-        if self.cost is None or self.drafter_gain * self.cost(1) >= self.cost.overhead:
+        only it proposed on recent accepted paths (a moving average per round) are worth its cost, a token
+        being worth what one costs now (a moving average of the modelled round cost per emitted token: the
+        better the other proposers do, the less a token the drafter adds is worth); and every
+        PROBE_ROUNDS-th round anyway, to see whether it pays again. The choice depends on verified text and
+        tree sizes only, so sampling stays exact."""
+        if self.cost is None or self.drafter_gain * self.token_time >= self.cost.overhead:
             return True
         return self.idle_rounds >= PROBE_ROUNDS
 
     def _counts(self, key: tuple) -> list[float]:
-        return self.rates.get(key) or [PRIOR_WEIGHT * NGRAM_CONFIDENCE[key[1]], PRIOR_WEIGHT]
+        if key[0] == "ngram":
+            prior = NGRAM_CONFIDENCE[key[1]]
+        else:  # ("datastore", match length bucket, fifth of the share)
+            prior = RETRIEVAL_CONFIDENCE[key[1]] * (key[2] + 0.5) / 5
+        return self.rates.get(key) or [PRIOR_WEIGHT * prior, PRIOR_WEIGHT]
 
     def rate(self, key: tuple) -> float:
-        """The learned chance that an n-gram node labelled `key` = ("ngram", n, rank, position) is accepted
-        once its parent is reached (the NGRAM_CONFIDENCE prior until outcomes come in)."""
+        """The learned chance that a node labelled `key` = ("ngram", n, rank, position) or ("datastore",
+        match length bucket, share fifth) is accepted once its parent is reached (the NGRAM_CONFIDENCE or
+        RETRIEVAL_CONFIDENCE prior until outcomes come in)."""
         right, tried = self._counts(key)
         return right / tried
 
     def accepted(self, tree: TokenTree, path: list[int], drafted: bool) -> None:
         """Feedback after verification: every labelled node whose parent was reached counts as tried,
         and as accepted if it is on the path (so the rates depend on verified text only); and how many
-        accepted tokens only the drafter had proposed."""
+        accepted tokens only the drafter had proposed, and what the round cost per emitted token."""
         reached = {0, *path}
         for i in range(1, len(tree)):
             if tree.parents[i] in reached:
                 for key in tree.keys[i] if tree.keys else ():
                     right, tried = self._counts(key)
                     self.rates[key] = [RATE_DECAY * right + (i in reached), RATE_DECAY * tried + 1]
+        if self.cost is not None:
+            spent = (self.cost(len(tree)) + (self.cost.overhead if drafted else 0.0)) / (len(path) + 1)
+            self.token_time += GAIN_SMOOTHING * (spent - self.token_time)
         if drafted:
-            gain = sum(1 for i in path if "ngram" not in tree.sources[i])
+            gain = sum(1 for i in path if tree.sources[i] <= DRAFTER_SOURCES)
             self.drafter_gain += GAIN_SMOOTHING * (gain - self.drafter_gain)
             self.idle_rounds = 0
         else:
@@ -137,6 +157,11 @@ class TreeProposer:
         for rank, (n, follow) in enumerate(matches):
             keys = [("ngram", min(n, max(NGRAM_CONFIDENCE)), min(rank, 1), min(pos, 2)) for pos in range(len(follow))]
             draft.add(follow, [self.rate(key) for key in keys], "ngram", keys=keys)
+        if k > 0 and self.datastore is not None:
+            for c in self.datastore.lookup(tokens, k, self.retrieved):
+                bucket = min(b for b in RETRIEVAL_CONFIDENCE if b >= min(c.match_len, max(RETRIEVAL_CONFIDENCE)))
+                keys = [("datastore", bucket, min(int(share * 5), 4)) for share in c.shares]
+                draft.add(c.tokens, [self.rate(key) for key in keys], "datastore", keys=keys)
         return draft.select(self.budget, k, self.cost)
 
     def _add_drafter(self, draft: TreeDraft, block: SlotBlock) -> None:
@@ -220,27 +245,61 @@ def generate_tree(model, tokenizer, prompt_ids: list[int], params: SamplingParam
     return finish(res, stopper, reason, t1, device, logprobs)
 
 
-def auto_tree(model, proposer: D3DProposer) -> TreeProposer:
+def auto_tree(model, proposer: D3DProposer | None, datastore: Datastore | None = None,
+              block_size: int = 16) -> TreeProposer:
     """A TreeProposer fitted to this device: its budget from choose_budget on the cost curve, the slots the
     drafter drafts from choose_slots, and each round's width chosen by WidthCost.best_width with the
     drafter's own cost as overhead. Both costs are measured when the method is built (about 2 s on a CPU;
     the curve is shared with `ngram` on the same model), not stored on disk: they move with the runtime,
-    the threads and the load."""
+    the threads and the load. Without a drafter (lookup-tree) only the curve is measured."""
     curve = measured_curve(model) or width_cost_curve(model)
+    if proposer is None:
+        return TreeProposer(None, choose_budget(curve, block_size), cost=WidthCost(curve), datastore=datastore)
     slots, overhead = choose_slots(proposer)
     return TreeProposer(proposer, choose_budget(curve, proposer.drafter.block_size),
-                        cost=WidthCost(curve, overhead), draft_slots=slots)
+                        cost=WidthCost(curve, overhead), draft_slots=slots, datastore=datastore)
+
+
+@lru_cache(maxsize=2)
+def _load_datastore(path: Path, vocab_size: int) -> Datastore:
+    return load_datastore(path, vocab_size)
+
+
+def setup_datastore(s: Setup) -> Datastore | None:
+    """The datastore the tree methods retrieve from: --datastore PATH, none with --datastore none, else
+    the one shipped for the target (assets/datastores/<target name>.npz) if there is one."""
+    option = s.options.get("datastore")
+    if option == "none":
+        return None
+    path = Path(option).expanduser() if option else shipped_datastore(s.model_dir)
+    return None if path is None else _load_datastore(path.resolve(), s.model.args.vocab_size)
+
+
+def _tree_settings(tree: TreeProposer) -> dict:
+    return {"tree_budget": tree.budget, "draft_slots": tree.draft_slots,
+            "tree_width_cost_s": None if tree.cost is None else tree.cost.curve,
+            "datastore": None if tree.datastore is None else tree.datastore.meta.get("file")}
 
 
 def _tree_runner(s: Setup):
     d = s.drafter("d3d", "d3d-tree")
     proposer = D3DProposer(d, s.model.args.vocab_size, max_len=s.model.args.max_seq_len)
-    budget = s.options.get("tree_budget")
-    tree = TreeProposer(proposer, budget) if budget else auto_tree(s.model, proposer)
+    budget, store = s.options.get("tree_budget"), setup_datastore(s)
+    tree = TreeProposer(proposer, budget, datastore=store) if budget else auto_tree(s.model, proposer, store)
     return Runner(partial(generate_tree, s.model, s.tokenizer, proposer=tree, max_depth=d.block_size - 1),
-                  block_size=d.block_size, tree_budget=tree.budget, draft_slots=tree.draft_slots,
-                  tree_width_cost_s=None if tree.cost is None else tree.cost.curve)
+                  block_size=d.block_size, **_tree_settings(tree))
+
+
+def _lookup_tree_runner(s: Setup):
+    budget, store = s.options.get("tree_budget"), setup_datastore(s)
+    tree = TreeProposer(None, budget, datastore=store) if budget else \
+        auto_tree(s.model, None, store, s.block_size)
+    return Runner(partial(generate_tree, s.model, s.tokenizer, proposer=tree, max_depth=s.block_size - 1),
+                  block_size=s.block_size, **_tree_settings(tree))
 
 
 D3D_TREE = register(Method("d3d-tree", _tree_runner, drafter_kind="d3d",
-                           help="the drafter's block, its alternatives and n-gram matches verified as one token tree"))
+                           help="the drafter's block, its alternatives, n-gram matches and continuations "
+                                "retrieved from the target's own outputs verified as one token tree"))
+LOOKUP_TREE = register(Method("lookup-tree", _lookup_tree_runner,
+                              help="n-gram matches and retrieved continuations as one token tree (no drafter)"))

@@ -27,6 +27,21 @@ def cmd_data(args: argparse.Namespace) -> None:
     print(f"{args.out}: {m['examples']} examples, {m['response_tokens']} response tokens")
 
 
+def cmd_datastore(args: argparse.Namespace) -> None:
+    from ..checkpoints import read_hf_config, resolve_target
+    from ..datastore import build_datastore, save_datastore
+
+    if not (Path(args.data) / "manifest.json").exists():
+        raise D3DError(f"no dataset at {args.data} (build one with `d3d data --out {args.data}`)")
+    check_max_shards(args.max_shards)
+    vocab_size = read_hf_config(resolve_target(args.target))["vocab_size"]
+    tokens, meta = build_datastore(args.data, vocab_size, args.max_shards)
+    meta["command"] = "d3d " + shlex.join(args.argv)
+    save_datastore(args.out, tokens, vocab_size, meta)
+    print(f"{args.out}: {meta['examples']} examples, {meta['tokens']} tokens "
+          f"({Path(args.out).stat().st_size / 1e6:.1f} MB)")
+
+
 def cmd_train(args: argparse.Namespace) -> None:
     from ..train import TrainConfig, train_drafter
 

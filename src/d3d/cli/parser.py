@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..registry import drafter_options, method_names
-from .drafters import cmd_data, cmd_prune, cmd_train
+from .drafters import cmd_data, cmd_datastore, cmd_prune, cmd_train
 from .measure import cmd_estimate, cmd_loadtest
 from .run import QUICK_LIMIT, QUICK_NEW_TOKENS, cmd_bench, cmd_demo, cmd_generate, cmd_report, cmd_serve
 
@@ -41,6 +41,9 @@ def _add_method_options(p: argparse.ArgumentParser) -> None:
                         "measured cost of a target forward vs its width, see d3d.tree.auto_tree)")
     p.add_argument("--ar-draft-k", type=int, default=None,
                    help="ar-draft: a fixed draft length (default: adaptive, starting at 4)")
+    p.add_argument("--datastore", default=None, metavar="PATH|none",
+                   help="d3d-tree, lookup-tree: retrieve continuations from this datastore (`d3d datastore` "
+                        "builds one; default: the one shipped for the target; none: no retrieval)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, seed: int | None) -> None:
@@ -115,6 +118,15 @@ def _data(sub) -> None:
     p.add_argument("--shard-size", type=int, default=128)
     p.add_argument("--threads", type=int, default=None)
     p.set_defaults(func=cmd_data)
+
+
+def _datastore(sub) -> None:
+    p = sub.add_parser("datastore", help="index distillation data for retrieval by d3d-tree and lookup-tree")
+    p.add_argument("--data", default="data/distill")
+    p.add_argument("--out", required=True, help="datastore file to write (.npz)")
+    p.add_argument("--max-shards", type=int, default=None, help="the first N data shards only")
+    p.add_argument("--target", default=None, help="the target the data came from (checks its vocabulary)")
+    p.set_defaults(func=cmd_datastore)
 
 
 def _train(sub) -> None:
@@ -237,6 +249,6 @@ def _loadtest(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="d3d", description="Asynchronous speculative decoding with standalone diffusion drafters.")
     sub = p.add_subparsers(dest="command", required=True)
-    for add in (_generate, _bench, _report, _demo, _data, _train, _prune, _serve, _estimate, _loadtest):
+    for add in (_generate, _bench, _report, _demo, _data, _datastore, _train, _prune, _serve, _estimate, _loadtest):
         add(sub)
     return p

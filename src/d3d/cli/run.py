@@ -132,6 +132,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
                 "quantize_drafter": args.quantize_drafter, "compile": args.compile}
     for runner in runners.values():  # what a method resolved itself, e.g. d3d-tree's budget and cost curve
         settings.update({k: v for k, v in runner.settings.items() if k != "block_size"})
+    settings["method_settings"] = {name: runner.settings for name, runner in runners.items()}
     curve = None
     if args.cost_curve:
         from ..treecost import width_cost_curve

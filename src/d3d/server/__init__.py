@@ -25,8 +25,8 @@ event loop never does work that grows with a request's size.
 Streamed chunks carry, besides the OpenAI fields, a `d3d` object per round: `accepted` (draft tokens
 accepted in the round), `tokens` (the round's token ids), `segments` (the round's text split into
 `{"text", "draft": bool}` pieces: accepted drafts vs the target's own token), running `tau` and
-`tokens_per_s`, and with d3d-tree `branch` (the proposer(s) of the accepted path: d3d, alt, ngram,
-joined by + when they agree). The web page uses it; OpenAI clients ignore it.
+`tokens_per_s`, and with d3d-tree and lookup-tree `branch` (the proposer(s) of the accepted path: d3d,
+alt, ngram, datastore, joined by + when they agree). The web page uses it; OpenAI clients ignore it.
 """
 from .app import check_address, create_app, serve
 from .streaming import TextStreamer

@@ -222,7 +222,7 @@ def create_app(gen: Generator, max_queue: int = 16, api_key: str | None = None,
                             "tau": round(round_tokens / rounds, 4) if rounds else 1.0,
                             "tokens_per_s": round((ntok - 1) / (t - t_first), 2) if t > t_first else 0.0,
                             "prefill": rounds == 0}
-                    if branch is not None:  # d3d-tree: which proposer's branch the accepted path came from
+                    if branch is not None:  # d3d-tree, lookup-tree: which proposer's branch the accepted path came from
                         info["branch"] = branch
                     yield _sse(chunk("".join(s["text"] for s in segments), logprobs=lps, d3d=info))
                     ev = await next_event(job)
