@@ -10,7 +10,7 @@ from .registry import DEFAULT_DRAFTERS, REGISTRY, Runner, Setup, default_drafter
 for _module in ("engine", "ngram", "proposer", "async_engine", "tree", "ardraft", "dflash", "hf", "llamacpp"):
     importlib.import_module(f".{_module}", __package__)  # each registers its method(s) on import
 
-BEST_METHOD = "ngram"  # what `d3d demo` and `d3d serve` use by default
+BEST_METHOD = "lookup-tree"  # what `d3d demo` and `d3d serve` use by default (README: Results)
 # baselines' drafters ship beside the D3D one, under the target's name + this suffix
 BASELINE_SUFFIX = {m.name: m.drafter_suffix for m in REGISTRY.values() if m.drafter_suffix}
 
