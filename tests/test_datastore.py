@@ -49,6 +49,7 @@ def test_the_longest_match_decides_and_continuations_follow_the_majority():
     assert s.lookup([7, 3, 4, 5], k=3, branches=1) == [first]
     assert s.lookup([6, 6], k=3) == [] and s.lookup([], k=3) == [] and s.lookup([5], k=0) == []
     assert s.lookup([1, 2, 3, 4, 5, 10, 11], k=3) == []  # the end of an example has no continuation
+    assert s.lookup([1, 2, 3, 4, 5], k=100) == [only]  # k beyond the padding is cut, not an index error
 
 
 @pytest.mark.parametrize("vocab", [VOCAB, 200_000, 12])  # keys of 4, 3 and 16 tokens

@@ -29,7 +29,7 @@ from .data import atomic_write_bytes, load_dataset
 from .errors import D3DError
 
 PROMPT_TAIL = 16     # prompt tokens kept before each response (the chat template's assistant header)
-MAX_MATCHES = 64     # matched positions examined per lookup (the latest)
+MAX_MATCHES = 64     # matched positions examined per lookup (the last in index order: the latest on a full key)
 MAX_MATCH_LEN = 16   # a match is extended backwards up to this many tokens
 SHIPPED = Path(__file__).parent / "assets" / "datastores"
 
@@ -77,9 +77,10 @@ class Datastore:
                 int(np.searchsorted(self.keys, np.uint64(hi), "right")))
 
     def lookup(self, text: list[int], k: int, branches: int = 2) -> list[Continuation]:
-        """Up to `branches` continuations (at most k tokens each) of the text's longest suffix found in the
-        datastore: the first token's `branches` most frequent choices among the longest matches, each
-        followed by the most frequent path among the matches that agree with it so far."""
+        """Up to `branches` continuations (at most k <= MAX_MATCH_LEN + 1 tokens each) of the text's longest
+        suffix found in the datastore: the first token's `branches` most frequent choices among the longest
+        matches, each followed by the most frequent path among the matches that agree with it so far."""
+        k = min(k, MAX_MATCH_LEN + 1)  # the padding after the last example
         if k < 1 or not text:
             return []
         for m in range(min(self.n_key, len(text)), 0, -1):

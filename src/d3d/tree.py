@@ -42,7 +42,7 @@ PRIOR_WEIGHT = 2.0      # the prior counts as this many observed nodes
 RATE_DECAY = 0.95       # weight of the past in the learned acceptance rates, per observed node
 ALT_TAIL_DISCOUNT = 0.5  # drafter tokens after an alternative were drafted for the other branch
 GAIN_SMOOTHING = 0.2     # weight of the latest round in the drafter's moving-average gain
-DRAFTER_SOURCES = {"d3d", "alt"}
+DRAFTER_SOURCES = {"d3d", "alt"}  # a path node with no other source is a token only the drafter proposed
 PROBE_ROUNDS = 8         # a drafter that does not pay still runs once every this many rounds
 
 
@@ -97,7 +97,7 @@ class TreeProposer:
     def reset(self, prompt_ids: list[int]) -> None:
         self.drafter_gain, self.idle_rounds = 1.0, 0
         self.token_time = None if self.cost is None else self.cost(1)  # modelled seconds per emitted token
-        self.rates: dict[tuple, list[float]] = {}  # n-gram node label -> [accepted, tried], decayed
+        self.rates: dict[tuple, list[float]] = {}  # n-gram / retrieved node label -> [accepted, tried], decayed
         if self.d3d is not None:
             self.d3d.params = self.params
             self.d3d.reset(prompt_ids)
