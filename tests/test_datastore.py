@@ -115,3 +115,15 @@ def test_datastore_command(tmp_path, capsys, smol):
     assert "no dataset at" in capsys.readouterr().err
     assert main(["generate", "hi", "--method", "lookup-tree", "--datastore", str(tmp_path / "no.npz")]) == 2
     assert "datastore file does not exist" in capsys.readouterr().err
+
+
+def test_python_api_takes_the_tree_options(smol):
+    from d3d import load
+
+    gen = load(method="lookup-tree", threads=1, tree_budget=6, datastore="none")
+    assert gen.method == "lookup-tree" and gen.generate("What is 2 + 2?", max_new_tokens=8)
+    assert gen.runner.settings["tree_budget"] == 6 and gen.runner.settings["datastore"] is None
+    with pytest.raises(D3DError, match="datastore file does not exist"):
+        load(method="lookup-tree", datastore="/nonexistent.npz")
+    with pytest.raises(D3DError, match="tree_budget must be >= 1"):
+        load(method="lookup-tree", tree_budget=0)
