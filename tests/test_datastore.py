@@ -113,8 +113,9 @@ def test_datastore_command(tmp_path, capsys, smol):
     assert load_datastore(out, VOCAB).meta["command"] == f"d3d datastore --data {tmp_path / 'data'} --out {out}"
     assert main(["datastore", "--data", str(tmp_path / "nothing"), "--out", str(out)]) == 2
     assert "no dataset at" in capsys.readouterr().err
-    assert main(["generate", "hi", "--method", "lookup-tree", "--datastore", str(tmp_path / "no.npz")]) == 2
-    assert "datastore file does not exist" in capsys.readouterr().err
+    for command in (["generate", "hi", "--method", "lookup-tree"], ["serve", "--port", "0"]):
+        assert main([*command, "--datastore", str(tmp_path / "no.npz")]) == 2
+        assert "datastore file does not exist" in capsys.readouterr().err
 
 
 def test_python_api_takes_the_tree_options(smol):

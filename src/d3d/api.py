@@ -122,7 +122,7 @@ class Generator:
 def load(target: str | None = None, method: str = BEST_METHOD, drafter: str | None = None,
          threads: int | None = None, device: str = "cpu", block_size: int = 16,
          quantize: str | None = None, compile: bool = False, quantize_drafter: str | None = None,
-         tree_budget: int | None = None, datastore: str | None = None) -> Generator:
+         tree_budget: int | None = None, datastore: str | None = None, ar_draft_k: int | None = None) -> Generator:
     """Load a target and a decoding method; returns a Generator (see Generator.generate).
 
     target: a Hugging Face model folder or .gguf file (None = the embedded SmolLM2-135M-Instruct);
@@ -131,9 +131,9 @@ def load(target: str | None = None, method: str = BEST_METHOD, drafter: str | No
     setting alone; it is process-wide); quantize: None (fp32) or "int8" (target and drafter);
     compile: compile the target's forward passes (fastpath.compile_decode; fp32 CPU; 1-2 minutes);
     quantize_drafter: "int8" for an int8 drafter whatever the target's precision (the output is the
-    target's either way; None: the drafter follows `quantize`); tree_budget, datastore: the tree methods'
-    options, as `--tree-budget` and `--datastore PATH|none` (None: fitted to this device; the shipped
-    datastore)."""
+    target's either way; None: the drafter follows `quantize`); tree_budget, datastore, ar_draft_k: the
+    methods' options, as `--tree-budget`, `--datastore PATH|none` and `--ar-draft-k` (None: fitted to this
+    device; the shipped datastore; adaptive)."""
     methods = parse_methods(method)
     if len(methods) != 1:
         raise D3DError("load takes exactly one method")
@@ -143,12 +143,14 @@ def load(target: str | None = None, method: str = BEST_METHOD, drafter: str | No
         torch.set_num_threads(threads)
     if drafter is not None and not Path(drafter).expanduser().exists():
         raise D3DError(f"drafter path does not exist: {drafter}")
-    if tree_budget is not None and tree_budget < 1:
-        raise D3DError(f"tree_budget must be >= 1 (got {tree_budget})")
+    for name, value in (("tree_budget", tree_budget), ("ar_draft_k", ar_draft_k)):
+        if value is not None and value < 1:
+            raise D3DError(f"{name} must be >= 1 (got {value})")
     if datastore not in (None, "none") and not Path(datastore).expanduser().is_file():
         raise D3DError(f"datastore file does not exist: {datastore}")
     check_quantize_drafter(quantize_drafter, methods)
     model, tok, model_dir = load_target(target, device, quantize=quantize, compile=compile)
     runner = make_runner(methods[0], model, tok, model_dir, drafter=drafter, block_size=block_size,
-                         quantize_drafter=quantize_drafter, tree_budget=tree_budget, datastore=datastore)
+                         quantize_drafter=quantize_drafter, tree_budget=tree_budget, datastore=datastore,
+                         ar_draft_k=ar_draft_k)
     return Generator(model, tok, model_dir, methods[0], runner, runner.settings["block_size"])

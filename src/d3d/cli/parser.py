@@ -208,6 +208,7 @@ def _serve(sub) -> None:
     p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                    help="deadline per request: 504 if still queued, else cut at the next round with "
                         "finish_reason 'length' (default: none)")
+    _add_method_options(p)
     _add_target_args(p)
     p.set_defaults(func=cmd_serve)
 

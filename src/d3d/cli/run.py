@@ -183,8 +183,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     check_device(args.device)
     check_drafter(args.drafter)
     check_address(args.host, args.port)
+    options = method_options(args)
     gen = load(args.target, args.method or BEST_METHOD, args.drafter, device=args.device, block_size=args.block_size,
-               quantize=args.quantize, compile=args.compile, quantize_drafter=args.quantize_drafter)
+               quantize=args.quantize, compile=args.compile, quantize_drafter=args.quantize_drafter, **options)
     key = args.api_key or os.environ.get("D3D_API_KEY") or None
     print(f"d3d serve: {gen.name} with method {gen.method} on http://{args.host}:{args.port} "
           f"(web page at /, OpenAI API at /v1; API key {'required' if key else 'not required'})",
