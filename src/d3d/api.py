@@ -16,6 +16,7 @@ from .engine import GenerationResult, LogprobRecorder, validate_request
 from .errors import D3DError
 from .loading import load_target
 from .methods import BEST_METHOD, check_quantize_drafter, make_runner, parse_methods
+from .registry import check_method_options
 from .prompts import encode_prompt
 from .verify import SamplingParams
 
@@ -143,14 +144,9 @@ def load(target: str | None = None, method: str = BEST_METHOD, drafter: str | No
         torch.set_num_threads(threads)
     if drafter is not None and not Path(drafter).expanduser().exists():
         raise D3DError(f"drafter path does not exist: {drafter}")
-    for name, value in (("tree_budget", tree_budget), ("ar_draft_k", ar_draft_k)):
-        if value is not None and value < 1:
-            raise D3DError(f"{name} must be >= 1 (got {value})")
-    if datastore not in (None, "none") and not Path(datastore).expanduser().is_file():
-        raise D3DError(f"datastore file does not exist: {datastore}")
+    options = check_method_options({"tree_budget": tree_budget, "ar_draft_k": ar_draft_k, "datastore": datastore})
     check_quantize_drafter(quantize_drafter, methods)
     model, tok, model_dir = load_target(target, device, quantize=quantize, compile=compile)
     runner = make_runner(methods[0], model, tok, model_dir, drafter=drafter, block_size=block_size,
-                         quantize_drafter=quantize_drafter, tree_budget=tree_budget, datastore=datastore,
-                         ar_draft_k=ar_draft_k)
+                         quantize_drafter=quantize_drafter, **options)
     return Generator(model, tok, model_dir, methods[0], runner, runner.settings["block_size"])

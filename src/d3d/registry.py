@@ -106,6 +106,19 @@ def register(method: Method) -> Method:
     return method
 
 
+def check_method_options(options: dict, spell: Callable[[str], str] = str) -> dict:
+    """Method options (tree_budget and ar_draft_k >= 1; datastore an existing file or "none"), checked;
+    `spell` names an option in the error (the CLI's --flag, the API's keyword). Returns them."""
+    for name in ("tree_budget", "ar_draft_k"):
+        value = options.get(name)
+        if value is not None and value < 1:
+            raise D3DError(f"{spell(name)} must be >= 1 (got {value})")
+    datastore = options.get("datastore")
+    if datastore not in (None, "none") and not Path(datastore).expanduser().is_file():
+        raise D3DError(f"datastore file does not exist: {datastore}")
+    return options
+
+
 def get(name: str) -> Method:
     if name not in REGISTRY:
         raise D3DError(f"unknown method {name!r}; choose from {', '.join(sorted(REGISTRY))}")

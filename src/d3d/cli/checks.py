@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from ..errors import D3DError
-from ..registry import get
+from ..registry import check_method_options, get
 
 
 def set_threads(n: int | None) -> None:
@@ -54,13 +54,8 @@ def check_budget(max_new_tokens: int, block_size: int) -> None:
 def method_options(args: argparse.Namespace) -> dict:
     """The method options given (--tree-budget for d3d-tree and lookup-tree, --ar-draft-k for ar-draft,
     --datastore for both trees), checked; each method reads its own from its Setup."""
-    options = {"tree_budget": args.tree_budget, "ar_draft_k": args.ar_draft_k}
-    for name, value in options.items():
-        if value is not None and value < 1:
-            raise D3DError(f"--{name.replace('_', '-')} must be >= 1 (got {value})")
-    if args.datastore not in (None, "none") and not Path(args.datastore).expanduser().is_file():
-        raise D3DError(f"datastore file does not exist: {args.datastore}")
-    return options | {"datastore": args.datastore}
+    options = {"tree_budget": args.tree_budget, "ar_draft_k": args.ar_draft_k, "datastore": args.datastore}
+    return check_method_options(options, lambda name: "--" + name.replace("_", "-"))
 
 
 def open_target(target: str | None, device: str = "cpu", quantize: str | None = None, compile: bool = False):
