@@ -85,10 +85,17 @@ def test_tree_forward_equals_each_branch_alone(tiny):
         torch.testing.assert_close(logits[node], alone(tiny, CONTEXT + path), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("shared", [True, False], ids=["one-cache-tensor", "own-cache-per-layer"])
 @pytest.mark.parametrize("leaf", [0, 3, 5, 9])
-def test_compaction_keeps_exactly_the_accepted_path(tiny, leaf):
+def test_compaction_keeps_exactly_the_accepted_path(tiny, leaf, shared):
     base = len(CONTEXT) - 1
+    for layer in tiny.layers:
+        layer.attention.k_cache = layer.attention.v_cache = None
     tiny.setup_cache(1, 64)
+    if not shared:  # caches replaced after setup (as d3d.data does): each layer's rows are moved on their own
+        for layer in tiny.layers:
+            layer.attention.k_cache, layer.attention.v_cache = layer.attention.k_cache.clone(), layer.attention.v_cache.clone()
+    assert (tiny.layers[0].attention.k_cache is tiny.cache_views[0]) == shared
     tiny(torch.tensor([CONTEXT[:-1]]))
     tree = branch_tree(CONTEXT[-1])
     tree_logits(tiny, tree)

@@ -109,6 +109,12 @@ class Datastore:
             rows = [row for row in follow if row[0] == first]
             toks, shares = [first], [count / len(follow)]
             for d in range(1, k):
+                if len(rows) == 1:  # one match left: the rest of its row (the usual case after a few tokens)
+                    rest = rows[0][d:]
+                    rest = rest[:rest.index(self.sep)] if self.sep in rest else rest
+                    toks += rest
+                    shares += [1.0] * len(rest)
+                    break
                 token, c = Counter(row[d] for row in rows).most_common(1)[0]
                 if token == self.sep:
                     break

@@ -58,8 +58,12 @@ class WidthCost:
     def __init__(self, curve: dict[int, float], overhead: float = 0.0):
         self.widths = sorted(curve)
         self.curve, self.overhead = monotone(curve), overhead
+        self.table = [self.interpolate(w) for w in range(max(self.widths) + 1)]  # best_width calls it per node
 
     def __call__(self, width: int) -> float:
+        return self.table[width] if 0 <= width < len(self.table) else self.interpolate(width)
+
+    def interpolate(self, width: int) -> float:
         ws = self.widths
         lo = max([w for w in ws if w <= width], default=ws[0])
         hi = min([w for w in ws if w >= width], default=ws[-1])
