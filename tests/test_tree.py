@@ -237,26 +237,26 @@ def test_lookup_tree_greedy_equals_plain_decoding(smol, prompt_ids):
 
 
 ROW = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0])
-LAW = torch.softmax(torch.tensor([0.0, 2.0, 1.0, 1.5, 0.0, 0.0, 0.0, 0.0]), -1)  # a sampled candidate's q
+LAW = torch.softmax(torch.tensor([0.0, 2.0, 1.0, 1.5, 0.0, 0.0, 0.0, 0.0]), -1)  # how the first candidate is drawn
 
 
 def no_residual_update(cands, row, params, generator):
     """Broken: every sibling is tested against the target's law p itself, as if it were the only one."""
     p = probs_from_logits(row, params)
     for c in cands:
-        qx = 1.0 if c.law is None else float(c.law[c.token])
-        if float(torch.rand(1, generator=generator)) * qx < float(p[c.token]):
+        if float(torch.rand(1, generator=generator)) < float(p[c.token]):
             return c.child, c.token
     return None, sample(p, generator)
 
 
 def node_outcomes(choose, params: SamplingParams, n: int) -> list[tuple[int]]:
-    """n draws of one node with a sampled candidate (from LAW) then two deterministic siblings."""
+    """n draws of one node whose candidates are a token drawn from LAW, then tokens 1 and 2 unless one of
+    them was drawn: a random candidate set that depends on the drawn token, as a budget cut can make."""
     g = torch.Generator().manual_seed(0)
     out = []
     for _ in range(n):
         x = int(torch.multinomial(LAW, 1, generator=g))
-        cands = [Candidate(x, LAW, 1)] + [Candidate(t, None, 2 + i) for i, t in enumerate((1, 2)) if t != x]
+        cands = [Candidate(x, 1)] + [Candidate(t, 2 + i) for i, t in enumerate((1, 2)) if t != x]
         out.append((choose(cands, ROW, params, g)[1],))
     return out
 
@@ -297,3 +297,13 @@ def test_generation_keeps_the_law_and_a_broken_rule_is_caught(tiny, tree_propose
     monkeypatch.setattr(d3d.tokentree, "_choose", no_residual_update)
     samples, _ = draw(tree_run(tiny, tree_proposer), params, 1200, 4)
     assert chi2_pvalue(samples, dist) < 1e-6
+
+
+def test_a_tree_cut_to_two_nodes_keeps_the_law(tiny):
+    """One node below the root: which candidate keeps it depends on the drafter's and the n-gram's tokens
+    (a tree that held a token sampled from the drafter's law here failed this test at p = 1e-18)."""
+    params = SamplingParams(temperature=0.8, top_k=5, top_p=0.9)
+    proposer = TreeProposer(D3DProposer(tiny_drafter(tiny_model(noise=0.08)), V, max_len=64), budget=2,
+                            draft_slots=2, datastore=tiny_datastore(tiny, [1, 2, 3, 1, 2]))
+    samples, _ = draw(tree_run(tiny, proposer), params, 1200, 4)
+    assert chi2_pvalue(samples, exact_law(tiny, [1, 2, 3, 1, 2], params, 4, EOS)) > 1e-3

@@ -11,13 +11,17 @@ down from the root, and the KV rows of the accepted path are then copied into co
 (O(accepted) copies, nothing recomputed).
 
 Losslessness. Greedy: at each node the target's argmax is taken and the walk descends into the child
-holding it, if any, so the output is plain decoding's. Sampling: multi-candidate recursive rejection
-sampling over the node's candidates (SpecInfer; multi-draft speculative sampling): candidate x_i with
-proposal law q_i (one-hot for deterministic candidates) is accepted with probability
-min(1, r(x_i) / q_i(x_i)), where r starts as the target's law p and becomes norm(max(0, r - q_i)) after
-each rejection; when all are rejected the token is drawn from r. The emitted token then has law p
-exactly, provided each sampled candidate is drawn from its q independently of the target's draws and
-of everything that decided whether and where it is placed (d3d.tree says why its proposers keep that).
+holding it, if any, so the output is plain decoding's. Sampling: recursive rejection sampling over the
+node's candidates, all deterministic (SpecInfer's rule with one-hot proposals): candidate y_i is
+accepted with probability r(y_i), where r starts as the target's law p and becomes r with y_i removed,
+renormalised, after each rejection; when all are rejected the token is drawn from r. The emitted token
+has law p exactly for every candidate set, so the set may depend on anything but the target's own draws
+of this round: scores, budget cuts, even tokens some proposer sampled. Candidates sampled from a law q
+and accepted with min(1, r(y) / q(y)) would be exact only if whether they are in the tree did not depend
+on which token was sampled, and a budget cut over merged nodes does depend on it (a sampled token that
+coincides with an n-gram copy shares its node and its score): with the tiny target of the tests and a
+budget of 2 nodes, such a tree's output failed the exact-law test at p = 1e-18 (eleventh session), so
+the trees take no sampled candidates.
 """
 from __future__ import annotations
 
@@ -39,11 +43,9 @@ if TYPE_CHECKING:
 
 @dataclass
 class Candidate:
-    """A proposal for the token after a node: `law` is the distribution it was sampled from (None =
-    deterministic, i.e. one-hot); `child` is the node it leads to."""
+    """A proposed token after a node, and the child node it leads to."""
 
     token: int
-    law: torch.Tensor | None
     child: int
 
 
@@ -78,8 +80,7 @@ class _Node:
     score: float
     sources: set[str]
     keys: set = field(default_factory=set)
-    children: dict[int, int] = field(default_factory=dict)
-    cands: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
+    children: dict[int, int] = field(default_factory=dict)  # token -> node, in the order verification tries them
 
 
 class TreeDraft:
@@ -89,22 +90,14 @@ class TreeDraft:
         self.nodes = [_Node(root, -1, 0, 1.0, {"root"})]
 
     def add(self, path: list[int], factors: list[float], source: str, start: int = 0,
-            laws: list[torch.Tensor | None] | None = None, keys: list | None = None) -> list[int]:
+            keys: list | None = None) -> list[int]:
         """Add `path` below node `start`; factors[i] estimates the chance that token i is accepted once
-        its parent is reached; laws[i] is the law token i was sampled from (None = deterministic);
-        keys[i], a label the proposer learns that chance under (kept in TokenTree.keys).
-        A sampled candidate goes first among its node's candidates. Returns the nodes of the path."""
+        its parent is reached; keys[i], a label the proposer learns that chance under (kept in
+        TokenTree.keys). Returns the nodes of the path."""
         node, out, reach = start, [], self.nodes[start].score
         for i, tok in enumerate(path):
-            law = laws[i] if laws is not None else None
             parent = self.nodes[node]
             reach *= factors[i]
-            entry = (tok, law)
-            if law is not None:
-                if not any(c[1] is law for c in parent.cands):
-                    parent.cands.insert(0, entry)
-            elif entry not in [(t, q) for t, q in parent.cands if q is None]:
-                parent.cands.append(entry)
             child = parent.children.get(tok)
             if child is None:
                 child = len(self.nodes)
@@ -138,8 +131,7 @@ class TreeDraft:
         cands = []
         for old in kept:
             node = self.nodes[old]
-            cands.append([Candidate(t, q, flat[node.children[t]]) for t, q in node.cands
-                          if node.children[t] in flat])
+            cands.append([Candidate(t, flat[c]) for t, c in node.children.items() if c in flat])
         return TokenTree(tokens=[self.nodes[i].token for i in kept],
                          parents=[flat[self.nodes[i].parent] if i else -1 for i in kept],
                          depths=[self.nodes[i].depth for i in kept],
@@ -213,20 +205,16 @@ def _choose(cands: list[Candidate], row: torch.Tensor, params: SamplingParams,
         return next((c.child for c in cands if c.token == token), None), token
     r = probs_from_logits(row, params)
     for c in cands:
-        qx = 1.0 if c.law is None else float(c.law[c.token])
-        if qx > 0 and float(torch.rand(1, generator=generator, device=r.device)) * qx < float(r[c.token]):
+        if float(torch.rand(1, generator=generator, device=r.device)) < float(r[c.token]):
             return c.child, c.token
-        r = _residual(r, c)
+        r = _without(r, c.token)
     return None, sample(r, generator)
 
 
-def _residual(r: torch.Tensor, c: Candidate) -> torch.Tensor:
-    """norm(max(0, r - q)) after candidate c is rejected (q one-hot on c.token when deterministic); r
-    itself if rounding left nothing (then c could not have been rejected in exact arithmetic)."""
-    if c.law is None:
-        rest = r.clone()
-        rest[c.token] = 0.0
-    else:
-        rest = (r - c.law.to(r.dtype)).clamp(min=0)
+def _without(r: torch.Tensor, token: int) -> torch.Tensor:
+    """r with `token` removed, renormalised, after that candidate was rejected; r itself if rounding left
+    nothing (then it could not have been rejected in exact arithmetic)."""
+    rest = r.clone()
+    rest[token] = 0.0
     total = float(rest.sum())
     return rest / total if total > 0 else r

@@ -12,10 +12,10 @@ acceptance is learned per (n, match rank, position in the copy) from the nodes w
 reached: the fixed guesses it starts from were 2-3x too high for short matches. A retrieved node's chance
 is learned the same way per (length of the context match, share of the matches that continued with it).
 
-Why sampling stays exact: the drafter's slot-j token is sampled once from q_j (which depends on the
-verified text only), sits only at depth j, comes first among its node's candidates, and node scores use
-the slot's largest probability, never the sampled token's; whether the drafter runs depends on verified
-text only.
+Why sampling stays exact: every candidate is deterministic (the drafter gives each slot's most likely
+token and its alternatives, not tokens sampled from its laws), and the recursive rule over deterministic
+candidates emits the target's law whatever the candidate set, so the tree may be cut to any budget by
+any score (d3d.tokentree).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from .datastore import Datastore, load_datastore, shipped_datastore
 from .engine import GenerationResult, LogprobRecorder, StopChecker, commit_round, finish, prefill, validate_request
 from .errors import D3DError
 from .ngram import ngram_continuations
-from .proposer import D3DProposer, sample_draft
+from .proposer import D3DProposer
 from .registry import Method, Runner, Setup, register
 from .tokentree import TokenTree, TreeDraft, compact_cache, tree_logits, verify_tree
 from .treecost import WidthCost, choose_budget, choose_slots, measured_curve, width_cost_curve
@@ -52,11 +52,10 @@ PROBE_ROUNDS = 8         # a drafter that does not pay still runs once every thi
 
 @dataclass
 class SlotBlock:
-    """The drafter's block: its tokens, their laws (None when greedy), and per slot the best tokens
-    with their drafter probabilities (for alternatives and scores)."""
+    """The drafter's block: its most likely token per slot, and per slot the best tokens with their
+    drafter probabilities (for alternatives and scores)."""
 
     tokens: list[int]
-    laws: list[torch.Tensor | None]
     top_tokens: list[list[int]]
     top_probs: list[list[float]]
 
@@ -64,14 +63,14 @@ class SlotBlock:
 def d3d_block(proposer: D3DProposer, tokens: list[int], k: int, params: SamplingParams, top: int,
               slots: int | None = None) -> SlotBlock:
     """One synchronous D3D draft of `slots` slots (None: the whole block) after `tokens`, with the `top`
-    best tokens of each slot."""
+    best tokens of each slot (probabilities at the sampling temperature). The tree takes each slot's
+    most likely token at every temperature: its candidates are all deterministic (see the module doc)."""
     d = proposer.drafter
     logits = d.draft_block(tokens, slots)[:k]
-    drafts, q = sample_draft(d, logits, params, proposer.vocab_size, proposer.generator)
     probs = torch.softmax(logits.float() / (params.temperature if not params.greedy else 1.0), -1)
     values, index = probs.topk(min(top, probs.shape[-1]), -1)
-    laws = [None] * len(drafts) if q is None else list(q)
-    return SlotBlock(drafts, laws, d.draft_ids[index].tolist(), values.tolist())
+    top_tokens = d.draft_ids[index].tolist()
+    return SlotBlock([t[0] for t in top_tokens], top_tokens, values.tolist())
 
 
 class TreeProposer:
@@ -165,15 +164,15 @@ class TreeProposer:
         return draft.select(self.budget, k, self.cost)
 
     def _add_drafter(self, draft: TreeDraft, block: SlotBlock) -> None:
-        conf = [p[0] for p in block.top_probs]  # the slot's largest probability, never the sampled token's
-        chain = draft.add(block.tokens, conf, "d3d", laws=block.laws)
+        conf = [p[0] for p in block.top_probs]  # each slot's token is its most likely one
+        chain = draft.add(block.tokens, conf, "d3d")
         for j in range(len(block.tokens)):
             parent = chain[j - 1] if j else 0
             alts = [(t, p) for t, p in zip(block.top_tokens[j], block.top_probs[j]) if t != block.tokens[j]]
             tail = slice(j + 1, j + 1 + self.alt_tail)
             for t, p in alts[:self.alternatives]:
                 factors = [p] + [c * ALT_TAIL_DISCOUNT for c in conf[tail]]
-                draft.add([t] + block.tokens[tail], factors, "alt", start=parent, laws=[None] + block.laws[tail])
+                draft.add([t] + block.tokens[tail], factors, "alt", start=parent)
 
 
 # --------------------------------------------------------------------------------------------
