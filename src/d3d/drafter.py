@@ -82,6 +82,7 @@ class Drafter(Transformer):
         """Drop the KV cache: whole sequences (training, evaluation) then run without one."""
         for layer in self.layers:
             layer.attention.k_cache = layer.attention.v_cache = None
+        self.kv_cache, self.cache_views = None, []
         self.cache_len = self.max_batch = self.cache_size = 0
         self.cached_tokens = []
 
