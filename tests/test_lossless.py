@@ -16,7 +16,7 @@ import torch
 import d3d.engine
 from d3d.engine import generate
 from d3d.methods import make_runner
-from d3d.verify import SamplingParams, leading_matches, probs_from_logits, sample, verify
+from d3d.verify import SamplingParams, greedy_tokens, leading_matches, probs_from_logits, sample, verify
 from sampling_law import EOS, V, StubTokenizer, chi2_pvalue, draw, exact_law, tiny_model
 
 GREEDY = SamplingParams()
@@ -65,6 +65,16 @@ def test_greedy_acceptance_counts_leading_matches():
     logits = torch.nn.functional.one_hot(torch.tensor([5, 6, 7, 8]), 10).float()  # the target says 5 6 7 8
     drafts = ([5, 6, 7], [5, 9, 7], [], [1])
     assert [verify(d, logits, GREEDY, None) for d in drafts] == [(3, 8), (1, 6), (0, 5), (0, 5)]
+
+
+def test_greedy_tokens_equal_torch_argmax():
+    """The NumPy argmax (fp32 on the CPU) picks what torch.argmax picks: the first maximum, on any view."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 4096, generator=g).round(decimals=1)  # rounded: many exact ties at the top
+    logits[2, [7, 3000]] = 50.0
+    for x in (logits, logits[1], logits[:, ::3], logits.t().contiguous().t(), logits.to(torch.bfloat16)):
+        assert greedy_tokens(x) == x.argmax(-1).tolist()
+    assert greedy_tokens(logits)[2] == 7
 
 
 @pytest.fixture(scope="module")
