@@ -93,8 +93,8 @@ def test_compaction_keeps_exactly_the_accepted_path(tiny, leaf, shared):
         layer.attention.k_cache = layer.attention.v_cache = None
     tiny.setup_cache(1, 64)
     if not shared:  # caches replaced after setup (as d3d.data does): each layer's rows are moved on their own
-        for layer in tiny.layers:
-            layer.attention.k_cache, layer.attention.v_cache = layer.attention.k_cache.clone(), layer.attention.v_cache.clone()
+        for att in (layer.attention for layer in tiny.layers):
+            att.k_cache, att.v_cache = att.k_cache.clone(), att.v_cache.clone()
     assert (tiny.layers[0].attention.k_cache is tiny.cache_views[0]) == shared
     tiny(torch.tensor([CONTEXT[:-1]]))
     tree = branch_tree(CONTEXT[-1])

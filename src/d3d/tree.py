@@ -52,10 +52,9 @@ PROBE_ROUNDS = 8         # a drafter that does not pay still runs once every thi
 
 @dataclass
 class SlotBlock:
-    """The drafter's block: its most likely token per slot, and per slot the best tokens with their
-    drafter probabilities (for alternatives and scores)."""
+    """The drafter's block: per slot its best tokens, most likely first, with their drafter probabilities
+    (the first is the block's token; the others are alternatives)."""
 
-    tokens: list[int]
     top_tokens: list[list[int]]
     top_probs: list[list[float]]
 
@@ -69,8 +68,7 @@ def d3d_block(proposer: D3DProposer, tokens: list[int], k: int, params: Sampling
     logits = d.draft_block(tokens, slots)[:k]
     probs = torch.softmax(logits.float() / (params.temperature if not params.greedy else 1.0), -1)
     values, index = probs.topk(min(top, probs.shape[-1]), -1)
-    top_tokens = d.draft_ids[index].tolist()
-    return SlotBlock([t[0] for t in top_tokens], top_tokens, values.tolist())
+    return SlotBlock(d.draft_ids[index].tolist(), values.tolist())
 
 
 class TreeProposer:
@@ -164,15 +162,15 @@ class TreeProposer:
         return draft.select(self.budget, k, self.cost)
 
     def _add_drafter(self, draft: TreeDraft, block: SlotBlock) -> None:
-        conf = [p[0] for p in block.top_probs]  # each slot's token is its most likely one
-        chain = draft.add(block.tokens, conf, "d3d")
-        for j in range(len(block.tokens)):
+        tokens = [t[0] for t in block.top_tokens]  # each slot's most likely token
+        conf = [p[0] for p in block.top_probs]
+        chain = draft.add(tokens, conf, "d3d")
+        for j in range(len(tokens)):
             parent = chain[j - 1] if j else 0
-            alts = [(t, p) for t, p in zip(block.top_tokens[j], block.top_probs[j]) if t != block.tokens[j]]
             tail = slice(j + 1, j + 1 + self.alt_tail)
-            for t, p in alts[:self.alternatives]:
+            for t, p in list(zip(block.top_tokens[j], block.top_probs[j]))[1:1 + self.alternatives]:
                 factors = [p] + [c * ALT_TAIL_DISCOUNT for c in conf[tail]]
-                draft.add([t] + block.tokens[tail], factors, "alt", start=parent)
+                draft.add([t] + tokens[tail], factors, "alt", start=parent)
 
 
 # --------------------------------------------------------------------------------------------

@@ -69,7 +69,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def greedy_tokens(logits: torch.Tensor) -> list[int]:
+def greedy_tokens(logits: torch.Tensor) -> list[int] | int:
     """The argmax of each row of logits [..., V], as a list (one int for a single row). fp32 on the CPU
     goes through NumPy: torch.argmax over a 49k vocabulary took 58 us a row here, NumPy's 6 us (both
     return the first maximum), and a round takes one per accepted token."""
