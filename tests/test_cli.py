@@ -68,6 +68,7 @@ EARLY_ERRORS = [
     (("train", "--out", "x", "--init", "/nonexistent/d"), "does not exist"),
     (("train", "--out", "x", "--max-shards", "0"), "--max-shards must be >= 1"),
     (("train", "--out", "x", "--layer-drop", "1"), "--layer-drop must be in [0, 1)"),
+    (("train", "--out", "x", "--distill", "1.5"), "--distill must be in [0, 1]"),
     (("generate", "hi", "--compile", "--quantize", "int8"), "--compile supports the fp32 CPU runtime only"),
     (("generate", "hi", "--method", "d3d-async", "--trace", "{tmp}/junk.txt/t.json"), "cannot create the folder of --trace"),
 ]

@@ -16,6 +16,7 @@ from d3d.drafter import Drafter, drafter_from_target, tokenizer_fingerprint
 from d3d.drafter_files import load_drafter, save_drafter
 from d3d.engine import generate
 from d3d.errors import D3DError
+from d3d.losses import teacher_log_probs
 from d3d.methods import DEFAULT_DRAFTERS
 from d3d.prompts import benchmark_prompt_hashes
 from d3d.proposer import D3DProposer
@@ -273,6 +274,45 @@ def test_make_batch_targets_follow_the_layout():
         n, t = divmod(flat, T)
         seq = ex[n].prompt_ids + ex[n].response_ids
         assert seq[t + 1] == tgt and t >= len(ex[n].prompt_ids) - 1
+
+
+def test_distillation_reads_the_targets_law_at_the_position_before_each_target():
+    """Every AR and slot target's source is the clean position whose next token it is, and the teacher's
+    log-probabilities there equal the target's own forward, renormalised over the draft vocabulary."""
+    torch.manual_seed(0)
+    teacher = Transformer(TINY).eval()
+    d = drafter_from_target(teacher, TinyTokenizer(), "tiny", [0, 1], 4, torch.arange(2, TINY.vocab_size))
+    ex = tiny_examples(3)
+    b = make_batch(ex, TrainConfig(blocks_per_seq=3), d.block_size, vocab_map_for(d), d.mask_id, random.Random(0))
+    L = int(b.ctx_len)
+    clean = b.tokens[:, :L].reshape(-1)
+    sources, targets = torch.cat([b.ar_source, b.slot_source]), torch.cat([b.ar_target, b.slot_target])
+    assert len(sources) == len(b.ar_index) + len(b.slot_index)
+    assert (d.draft_ids[targets] == clean[sources + 1]).all()
+    soft = teacher_log_probs(teacher, d, b)
+    with torch.no_grad():
+        ref = torch.log_softmax(teacher(b.tokens[:, :L])[..., d.draft_ids], -1).reshape(len(clean), -1)
+    assert torch.allclose(soft, ref, atol=1e-5)
+
+
+def test_distillation_pulls_the_drafter_toward_the_teachers_law(tmp_path):
+    torch.manual_seed(1)
+    teacher = Transformer(TINY).eval().requires_grad_(False)
+    d = tiny_drafter()
+    ex = tiny_examples()
+    cfg = TrainConfig(steps=40, batch_size=8, lr=1e-2, warmup=5, blocks_per_seq=4, checkpoint_every=100, distill=1.0)
+    b = make_batch(ex[:8], cfg, d.block_size, vocab_map_for(d), d.mask_id, random.Random(5))
+
+    def kl() -> float:
+        with torch.no_grad():
+            h, _ = d.hidden(b.tokens, mask=b.mask, positions=b.positions)
+            q = torch.log_softmax(d.head(h.reshape(-1, h.shape[-1])[b.ar_index]), -1)
+            p = teacher_log_probs(teacher, d, b)[b.ar_source]
+            return float((p.exp() * (p - q)).sum(-1).mean())
+
+    before = kl()
+    train(d, ex, cfg, tmp_path / "run", log=lambda *_: None, teacher=teacher)
+    assert kl() < 0.5 * before
 
 
 def test_replayed_acceptance_matches_a_real_run(smol, prompt_ids):

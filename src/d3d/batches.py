@@ -37,6 +37,7 @@ class TrainConfig:
     seed: int = 0
     layer_drop: float = 0.0         # LayerDrop: skip each stack layer with this probability per step
     freeze_below: int = 0           # stack layers 0..freeze_below-1 stay frozen
+    distill: float = 0.0            # weight of the target's soft labels against its greedy tokens (0..1)
 
 
 @dataclass
@@ -51,6 +52,8 @@ class Batch:
     slot_k: torch.Tensor       # slot number within its block
     slot_block: torch.Tensor   # global block id (for acceptance statistics)
     ctx_len: torch.Tensor      # 0-d: T minus the block slots (the padded clean length)
+    ar_source: torch.Tensor    # flat index into N*ctx_len of the clean position whose next token is the AR
+    slot_source: torch.Tensor  # (slot) target: where the target's next-token law is read for distillation
     feats: torch.Tensor | None = None  # DFlash: target hidden states [N, ctx_len, taps x dim], if precomputed
 
 
@@ -111,12 +114,14 @@ def make_batch(examples: list[Example], cfg: TrainConfig, B: int, vocab_map: tor
     Lmax = max(lengths)
     tokens = torch.full((N, T), mask_id, dtype=torch.long)
     ar_index, ar_target, slot_index, slot_target, slot_k, slot_block = [], [], [], [], [], []
+    ar_source, slot_source = [], []
     for n, seq in enumerate(seqs):
         tokens[n, :len(seq)] = torch.tensor(seq)
         tokens[n, len(seq):Lmax] = 0
         for i in range(starts[n] - 1, len(seq) - 1):
             ar_index.append(n * T + i)
             ar_target.append(seq[i + 1])
+            ar_source.append(n * Lmax + i)
         for j, c in enumerate(anchors[n]):
             if clean_first_slot:
                 tokens[n, Lmax + j * S] = seq[c + 1]
@@ -126,6 +131,7 @@ def make_batch(examples: list[Example], cfg: TrainConfig, B: int, vocab_map: tor
                     slot_target.append(seq[c + 1 + k])
                     slot_k.append(k)
                     slot_block.append(n * 1000 + j)
+                    slot_source.append(n * Lmax + c + k)
     def t(x):
         return torch.tensor(x, dtype=torch.long)
 
@@ -135,7 +141,8 @@ def make_batch(examples: list[Example], cfg: TrainConfig, B: int, vocab_map: tor
         for n, f in enumerate(feats):
             padded[n, :len(f)] = f.float()
     return Batch(tokens, positions, mask[:, None], t(ar_index), vocab_map[t(ar_target)], t(slot_index),
-                 vocab_map[t(slot_target)], t(slot_k), t(slot_block), torch.tensor(Lmax), padded)
+                 vocab_map[t(slot_target)], t(slot_k), t(slot_block), torch.tensor(Lmax), t(ar_source),
+                 t(slot_source), padded)
 
 
 def batch_to(batch: Batch, device) -> Batch:

@@ -39,24 +39,52 @@ def _dflash_hidden(model, batch: Batch, target) -> torch.Tensor:
     return torch.cat([ctx, h], dim=1)
 
 
-def losses(model: Drafter, batch: Batch, cfg: TrainConfig, target=None) -> dict[str, torch.Tensor]:
+@torch.no_grad()
+def teacher_log_probs(teacher, model: Drafter, batch: Batch) -> torch.Tensor:
+    """[N * ctx_len, draft vocab]: the teacher's (the target's) next-token log-probabilities at every clean
+    position, over the drafter's draft vocabulary (renormalised there), read by batch.ar_source/slot_source."""
+    L = int(batch.ctx_len)
+    x, _ = teacher.hidden(batch.tokens[:, :L])
+    logits = teacher.norm(x.reshape(-1, x.shape[-1])) @ teacher.output.weight[model.draft_ids].T
+    return torch.log_softmax(logits.float(), -1)
+
+
+def _cross_entropy(logits: torch.Tensor, target: torch.Tensor, soft: torch.Tensor | None, alpha: float):
+    """Per-row CE on the greedy tokens (-100: none), mixed with weight alpha with CE on the soft labels
+    `soft` (teacher log-probabilities) where given."""
+    hard = F.cross_entropy(logits, target.clamp(min=0), reduction="none")
+    if soft is None:
+        return hard
+    kd = -(soft.exp() * torch.log_softmax(logits, -1)).sum(-1)
+    return (1 - alpha) * hard + alpha * kd
+
+
+def losses(model: Drafter, batch: Batch, cfg: TrainConfig, target=None, teacher=None) -> dict[str, torch.Tensor]:
     """Weighted denoising CE on block slots + ar_weight x next-token CE on the clean stream (one forward).
-    DFlash drafters (`target` gives their context) weight slot k by exp(-(k-1)/gamma), slot 0 being given."""
+    DFlash drafters (`target` gives their context) weight slot k by exp(-(k-1)/gamma), slot 0 being given.
+    With a `teacher` (the target) and cfg.distill > 0, each CE is mixed with the CE on the teacher's own
+    next-token law at that position (soft labels carry what the greedy token does not: which other tokens
+    the target nearly chose)."""
     if model.cfg.kind == "dflash":
         h = _dflash_hidden(model, batch, target)
     else:
         h, _ = model.hidden(batch.tokens, mask=batch.mask, positions=batch.positions)
     h = h.reshape(-1, h.shape[-1])
+    soft = teacher_log_probs(teacher, model, batch) if teacher is not None and cfg.distill > 0 else None
     out = {}
     if len(batch.slot_index):
         slot_logits = model.head(h[batch.slot_index])
         first = 1 if model.cfg.kind == "dflash" else 0
         w = torch.exp(-(batch.slot_k - first).float() / cfg.gamma) * (batch.slot_target >= 0)
-        ce = F.cross_entropy(slot_logits, batch.slot_target.clamp(min=0), reduction="none")
+        ce = _cross_entropy(slot_logits, batch.slot_target, None if soft is None else soft[batch.slot_source],
+                            cfg.distill)
         out["denoise"] = (ce * w).sum() / w.sum().clamp(min=1e-6)
     loss = out.get("denoise", 0.0)
     if cfg.ar_weight > 0:
-        out["ar"] = F.cross_entropy(model.head(h[batch.ar_index]), batch.ar_target, ignore_index=-100)
+        keep = (batch.ar_target >= 0).float()
+        ce = _cross_entropy(model.head(h[batch.ar_index]), batch.ar_target,
+                            None if soft is None else soft[batch.ar_source], cfg.distill)
+        out["ar"] = (ce * keep).sum() / keep.sum().clamp(min=1)
         loss = loss + cfg.ar_weight * out["ar"]
     out["loss"] = loss
     if not len(batch.slot_index):

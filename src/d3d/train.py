@@ -65,12 +65,13 @@ def _save_state(path: Path, model: Drafter, opt, step: int, history: list) -> No
 
 
 def train(model: Drafter, examples: list[Example], cfg: TrainConfig, run_dir: Path, log=print,
-          target=None, feats: list[torch.Tensor] | None = None) -> list[dict]:
+          target=None, feats: list[torch.Tensor] | None = None, teacher=None) -> list[dict]:
     """Train in place; resumes from run_dir/state.pt if present. Returns the per-step history.
 
     Works single-process on CPU, and under `accelerate launch` (each process takes its own batches and
     gradients are averaged across processes before each step). DFlash drafters read the frozen `target`'s
-    hidden states: precomputed per example in `feats` (target_features), else computed per batch.
+    hidden states: precomputed per example in `feats` (target_features), else computed per batch. With
+    cfg.distill > 0 the frozen `teacher` (the target) gives soft labels, computed per batch (d3d.losses).
     """
     from accelerate import Accelerator
 
@@ -89,8 +90,9 @@ def train(model: Drafter, examples: list[Example], cfg: TrainConfig, run_dir: Pa
         step, history = state["step"], state["history"]
         log(f"resumed from {state_path} at step {step}")
     model.train()
-    if target is not None:
-        target.to(acc.device)
+    for frozen in (target, teacher):
+        if frozen is not None:
+            frozen.to(acc.device)
     vmap = vocab_map_for(core)
     order = list(range(len(examples)))
     random.Random(cfg.seed).shuffle(order)
@@ -109,7 +111,7 @@ def train(model: Drafter, examples: list[Example], cfg: TrainConfig, run_dir: Pa
             g["lr"] = lr_at(step, cfg)
         drop = dropped_layers(len(core.layers), cfg.layer_drop, step, cfg.seed)
         with bypassed(core, drop):
-            out = losses(core, batch, cfg, target)
+            out = losses(core, batch, cfg, target, teacher)
         opt.zero_grad(set_to_none=True)
         out["loss"].backward()
         if acc.num_processes > 1:
@@ -202,9 +204,10 @@ def train_drafter(target: str | None, data: Path, out: Path, run_dir: Path, laye
                                           kind=kind, target_layers=target_layers)
     feature_target = model.requires_grad_(False) if kind == "dflash" else None
     feats = target_features(feature_target, train_set, cfg, drafter.cfg.target_layers) if kind == "dflash" else None
+    teacher = model.requires_grad_(False) if cfg.distill > 0 else None
     del model
     before = evaluate(drafter, held, cfg, target=feature_target)
-    history = train(drafter, train_set, cfg, run_dir, target=feature_target, feats=feats)
+    history = train(drafter, train_set, cfg, run_dir, target=feature_target, feats=feats, teacher=teacher)
     after = evaluate(drafter, held, cfg, target=feature_target)
     drafter.cfg.training = {"command": command, "init": str(init) if init else None, "init_model": init_model,
                             "init_training": drafter.cfg.training if init else None,

@@ -65,6 +65,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     ar_weight = {"d3d": 0.5, "dflash": 0.0, "ar": 1.0}[args.kind] if args.ar_weight is None else args.ar_weight
     if not 0 <= args.layer_drop < 1:
         raise D3DError(f"--layer-drop must be in [0, 1) (got {args.layer_drop})")
+    if not 0 <= args.distill <= 1:
+        raise D3DError(f"--distill must be in [0, 1] (got {args.distill})")
     if args.kind == "ar" and ar_weight <= 0:
         raise D3DError("--kind ar trains with the next-token loss only: --ar-weight must be > 0")
     n = read_hf_config(resolve_target(args.target))["num_hidden_layers"]
@@ -79,7 +81,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, ar_weight=ar_weight,
                       gamma=args.gamma, blocks_per_seq=0 if args.kind == "ar" else args.blocks_per_seq, seed=args.seed,
                       warmup=args.warmup, max_prompt_tokens=args.max_prompt_tokens, layer_drop=args.layer_drop,
-                      freeze_below=args.freeze_below)
+                      freeze_below=args.freeze_below, distill=args.distill)
     run_dir = Path(args.run_dir or Path(args.out).with_name(Path(args.out).name + ".run"))
     summary = train_drafter(args.target, Path(args.data), Path(args.out), run_dir, layers, draft_vocab,
                             args.block_size, cfg, command="d3d " + shlex.join(args.argv),

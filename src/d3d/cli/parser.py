@@ -161,6 +161,9 @@ def _train(sub) -> None:
                    help="lambda of the auxiliary AR loss (default: d3d 0.5, dflash 0, ar 1)")
     p.add_argument("--gamma", type=float, default=7.0, help="slot k loss weight exp(-k / gamma)")
     p.add_argument("--blocks-per-seq", type=int, default=12)
+    p.add_argument("--distill", type=float, default=0.0, metavar="W",
+                   help="also learn the target's soft labels (its next-token law, computed per batch), "
+                        "weighted W against its greedy tokens' 1 - W (0..1; costs a target forward per step)")
     p.add_argument("--layer-drop", type=float, default=0.0,
                    help="LayerDrop: skip each drafter layer with this probability per step (makes it prunable)")
     p.add_argument("--seed", type=int, default=0)
