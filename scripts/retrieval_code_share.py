@@ -1,0 +1,74 @@
+"""How much of retrieval's acceptance on code rests on the code in the distillation data.
+
+Builds datastores from the shipped datastore's examples (the first 67 data shards) with all, 3/4, 1/2,
+1/4 or none of the code-like examples (a response containing `def `, a code fence, `import `,
+`return ` or "function"), and, as a control, without as many random other examples. Each is replayed
+against the target's cached greedy continuations (`d3d estimate --cache`): every round takes the best
+of the two retrieved continuations (up to 8 tokens) that matches the text, as a tree would verify
+both; tau = matched + 1 per round.
+
+    python scripts/retrieval_code_share.py --cache runs/heldout_continuations.json --out results/retrieval_code_share.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+import numpy as np
+
+from d3d.checkpoints import load_tokenizer, resolve_target
+from d3d.data import atomic_write_json, load_dataset
+from d3d.datastore import PROMPT_TAIL, Datastore
+
+CODE_MARKS = ("def ", "```", "import ", "function", "return ")
+VOCAB = 49152
+
+
+def retrieval_tau(store: Datastore, prompt: list[int], cont: list[int], k: int = 8) -> list[int]:
+    taus, i = [], 0
+    while i < len(cont):
+        best = 0
+        for cand in store.lookup(prompt + cont[:i], k, 2):
+            m = 0
+            while m < len(cand.tokens) and i + m < len(cont) and cand.tokens[m] == cont[i + m]:
+                m += 1
+            best = max(best, m)
+        taus.append(best + 1)
+        i += best + 1
+    return taus
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--data", default="data/distill")
+    ap.add_argument("--max-shards", type=int, default=67)
+    ap.add_argument("--cache", default="runs/heldout_continuations.json")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    tok = load_tokenizer(resolve_target(None))
+    examples = load_dataset(args.data, args.max_shards)
+    code = [i for i, e in enumerate(examples) if any(m in tok.decode(e.response_ids) for m in CODE_MARKS)]
+    other = sorted(set(range(len(examples))) - set(code))
+    rng = random.Random(0)
+    shuffled = rng.sample(code, len(code))
+    dropped = {f"{share}_of_code": set(shuffled[:round(len(code) * (1 - share))]) for share in (1, 0.75, 0.5, 0.25, 0)}
+    dropped["all_code_without_as_many_others"] = set(rng.sample(other, len(code)))
+    sep = (1 << VOCAB.bit_length()) - 1
+    cont = json.load(open(args.cache))["max_new_tokens=128"]
+    rows = {}
+    for name, drop in dropped.items():
+        parts = [np.asarray(e.prompt_ids[-PROMPT_TAIL:] + e.response_ids + [sep], dtype=np.int64)
+                 for i, e in enumerate(examples) if i not in drop]
+        store = Datastore(np.concatenate(parts), VOCAB)
+        per = {b: [t for p, c in items.values() for t in retrieval_tau(store, p, c)] for b, items in cont.items()}
+        rows[name] = {"examples": len(examples) - len(drop), "tokens": len(store),
+                      "tau": {b: round(sum(t) / len(t), 3) for b, t in per.items()}}
+        print(name, rows[name])
+    atomic_write_json(args.out, {"command": "python scripts/retrieval_code_share.py " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()), "code_examples": len(code),
+        "examples": len(examples), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
