@@ -15,25 +15,19 @@ import argparse
 import json
 import random
 
-import numpy as np
-
-from d3d.checkpoints import load_tokenizer, resolve_target
+from d3d.checkpoints import load_tokenizer, read_hf_config, resolve_target
 from d3d.data import atomic_write_json, load_dataset
-from d3d.datastore import PROMPT_TAIL, Datastore
+from d3d.datastore import Datastore, example_tokens
+from d3d.verify import leading_matches
 
 CODE_MARKS = ("def ", "```", "import ", "function", "return ")
-VOCAB = 49152
 
 
 def retrieval_tau(store: Datastore, prompt: list[int], cont: list[int], k: int = 8) -> list[int]:
     taus, i = [], 0
     while i < len(cont):
-        best = 0
-        for cand in store.lookup(prompt + cont[:i], k, 2):
-            m = 0
-            while m < len(cand.tokens) and i + m < len(cont) and cand.tokens[m] == cont[i + m]:
-                m += 1
-            best = max(best, m)
+        best = max((leading_matches(a == b for a, b in zip(c.tokens, cont[i:]))
+                    for c in store.lookup(prompt + cont[:i], k, 2)), default=0)
         taus.append(best + 1)
         i += best + 1
     return taus
@@ -46,7 +40,8 @@ def main() -> None:
     ap.add_argument("--cache", default="runs/heldout_continuations.json")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    tok = load_tokenizer(resolve_target(None))
+    model_dir = resolve_target(None)
+    tok, vocab_size = load_tokenizer(model_dir), read_hf_config(model_dir)["vocab_size"]
     examples = load_dataset(args.data, args.max_shards)
     code = [i for i, e in enumerate(examples) if any(m in tok.decode(e.response_ids) for m in CODE_MARKS)]
     other = sorted(set(range(len(examples))) - set(code))
@@ -54,13 +49,11 @@ def main() -> None:
     shuffled = rng.sample(code, len(code))
     dropped = {f"{share}_of_code": set(shuffled[:round(len(code) * (1 - share))]) for share in (1, 0.75, 0.5, 0.25, 0)}
     dropped["all_code_without_as_many_others"] = set(rng.sample(other, len(code)))
-    sep = (1 << VOCAB.bit_length()) - 1
     cont = json.load(open(args.cache))["max_new_tokens=128"]
     rows = {}
     for name, drop in dropped.items():
-        parts = [np.asarray(e.prompt_ids[-PROMPT_TAIL:] + e.response_ids + [sep], dtype=np.int64)
-                 for i, e in enumerate(examples) if i not in drop]
-        store = Datastore(np.concatenate(parts), VOCAB)
+        kept = [e for i, e in enumerate(examples) if i not in drop]
+        store = Datastore(example_tokens(kept, vocab_size), vocab_size)
         per = {b: [t for p, c in items.values() for t in retrieval_tau(store, p, c)] for b, items in cont.items()}
         rows[name] = {"examples": len(examples) - len(drop), "tokens": len(store),
                       "tau": {b: round(sum(t) / len(t), 3) for b, t in per.items()}}

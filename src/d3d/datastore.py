@@ -125,17 +125,22 @@ class Datastore:
         return out
 
 
+def example_tokens(examples: list, vocab_size: int) -> np.ndarray:
+    """The datastore's token array for `examples`: per example the last PROMPT_TAIL prompt tokens and the
+    whole response, examples separated by SEP (the all-ones id just above the vocabulary)."""
+    sep = (1 << int(vocab_size).bit_length()) - 1
+    return np.concatenate([np.asarray(e.prompt_ids[-PROMPT_TAIL:] + e.response_ids + [sep], dtype=np.int64)
+                           for e in examples])
+
+
 def build_datastore(data: str | Path, vocab_size: int, max_shards: int | None = None) -> tuple[np.ndarray, dict]:
-    """The token array of a distillation dataset: per example the last PROMPT_TAIL prompt tokens and the
-    whole response, examples separated by SEP."""
+    """The token array (example_tokens) of a distillation dataset, checked against the vocabulary, and its
+    meta."""
     examples = load_dataset(data, max_shards)
     if not examples:
         raise D3DError(f"{data} holds no examples")
+    tokens = example_tokens(examples, vocab_size)
     sep = (1 << int(vocab_size).bit_length()) - 1
-    parts = []
-    for e in examples:
-        parts.append(np.asarray(e.prompt_ids[-PROMPT_TAIL:] + e.response_ids + [sep], dtype=np.int64))
-    tokens = np.concatenate(parts)
     if tokens[tokens != sep].max(initial=0) >= vocab_size:
         raise D3DError(f"{data} holds token ids >= the vocabulary size {vocab_size}: built for another target?")
     meta = {"data": str(data), "examples": len(examples), "tokens": int(len(tokens)),
