@@ -2,6 +2,7 @@
 `d3d report`, and one quick end-to-end `d3d bench` run."""
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import random
@@ -15,6 +16,7 @@ import pytest
 from d3d.async_engine import AsyncGenerationResult
 from d3d.bench import _prompt_row, _summary, run_bench, tau_histogram
 from d3d.cli import main
+from d3d.code_prompts import code_mix
 from d3d.engine import GenerationResult
 from d3d.errors import D3DError
 from d3d.prompts import (BENCHMARKS, SHAREGPT_HELDOUT_POOL, MultiTurn, benchmark_prompt_hashes, benchmark_prompts,
@@ -56,6 +58,33 @@ def test_training_inputs_unchanged():
     digest = hashlib.sha1("".join(sorted(benchmark_prompt_hashes())).encode()).hexdigest()
     assert digest == "41ababe5034678441ccc698119b7a68c47a846f2"
     assert hashlib.sha1(repr(training_mix()).encode()).hexdigest() == "1cef3536ace24b11c08a1af2809d804f29a32756"
+
+
+def test_code_prompts_are_disjoint_from_training_heldout_and_benchmarks():
+    """`d3d data --prompts code` draws prompts nothing else uses; its stubs are valid Python in the
+    HumanEval wording; its ShareGPT requests lie before the held-out pool, beyond training_mix's reach."""
+    mix, code = training_mix(), code_mix()
+    assert {src for src, _, _ in code} == {"sharegpt-code", "python-stdlib"}
+    hashes = [prompt_hash(p) for _, _, p in code]
+    assert len(set(hashes)) == len(hashes)
+    assert not set(hashes) & ({prompt_hash(p) for _, _, p in mix} | benchmark_prompt_hashes()
+                              | {prompt_hash(p) for _, p in sharegpt_heldout()})
+    used = {i for src, i, _ in mix if src == "sharegpt"}
+    order = list(range(len(train_prompts("sharegpt"))))
+    random.Random(0).shuffle(order)
+    position = {i: k for k, i in enumerate(order)}
+    share = [(i, p) for src, i, p in code if src == "sharegpt-code"]
+    assert share and not {i for i, _ in share} & used
+    assert max(position[i] for i, _ in share) < len(order) - SHAREGPT_HELDOUT_POOL
+    humaneval_head = benchmark_prompts("humaneval", 1)[0].split("```python")[0]
+    stubs = [p for src, _, p in code if src == "python-stdlib"]
+    for p in stubs:
+        head, body = p.split("```python\n")
+        assert head == humaneval_head and body.endswith("\n```")
+        tree = ast.parse(body[:-3])  # a docstring is a whole body
+        fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef))
+        assert len(ast.get_docstring(fn)) >= 40
+    assert code_mix() == code  # deterministic
 
 
 def test_sharegpt_heldout_is_disjoint_from_training():

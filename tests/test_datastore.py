@@ -113,6 +113,15 @@ def test_datastore_command(tmp_path, capsys, smol):
     assert load_datastore(out, VOCAB).meta["command"] == f"d3d datastore --data {tmp_path / 'data'} --out {out}"
     assert main(["datastore", "--data", str(tmp_path / "nothing"), "--out", str(out)]) == 2
     assert "no dataset at" in capsys.readouterr().err
+    dataset(tmp_path / "code", [([6], [7, 8])])
+    both = ["datastore", "--data", str(tmp_path / "data"), "--extra-data", str(tmp_path / "code"), "--out", str(out)]
+    assert main(both) == 0
+    assert "2 examples, 10 tokens" in capsys.readouterr().out
+    sep = (1 << VOCAB.bit_length()) - 1
+    s = load_datastore(out, VOCAB)
+    assert s.tokens[:len(s)].tolist() == [1, 2, 3, 4, 5, sep, 6, 7, 8, sep] and s.meta["extra_data"] == [str(tmp_path / "code")]
+    assert main([*both[:3], "--extra-data", str(tmp_path / "nothing"), "--out", str(out)]) == 2
+    assert f"no dataset at {tmp_path / 'nothing'}" in capsys.readouterr().err
     for command in (["generate", "hi", "--method", "lookup-tree"], ["serve", "--port", "0"]):
         assert main([*command, "--datastore", str(tmp_path / "no.npz")]) == 2
         assert "datastore file does not exist" in capsys.readouterr().err

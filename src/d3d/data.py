@@ -4,7 +4,7 @@ Layout of a dataset folder:
   manifest.json             sources, settings, shard list and token counts
   shard_00000.npz           prompt/response token ids (uint32 flat arrays + offsets) and prompt hashes
 Shard i always covers prompts [i * shard_size, (i + 1) * shard_size) of the deterministic training
-mix, so a killed run resumes at the first missing shard; every file is written atomically.
+mix (or code mix), so a killed run resumes at the first missing shard; every file is written atomically.
 """
 from __future__ import annotations
 
@@ -18,7 +18,17 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from .code_prompts import code_mix, python_version
+from .errors import D3DError
 from .prompts import encode_prompt, prompt_hash, training_mix
+
+PROMPT_SETS = {
+    "mix": "interleaved mix of gsm8k-train, math-train, sharegpt first turns; benchmark test prompts removed "
+           "(prompts.training_mix)",
+    "code": "interleaved sharegpt first turns that mention code (positions training_mix never uses, before the "
+            "held-out pool) and python standard-library function stubs; benchmark and training_mix prompts "
+            "removed (code_prompts.code_mix)",
+}
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -129,18 +139,25 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids
 
 def build_dataset(model, tokenizer, out: Path, target_name: str, max_tokens: int, max_new_tokens: int = 256,
                   max_prompt_tokens: int = 384, batch_size: int = 32, shard_size: int = 128, seed: int = 0,
-                  log=None) -> dict:
-    """Generate shards until `max_tokens` response tokens exist (resuming from what is on disk)."""
+                  prompts: str = "mix", log=None) -> dict:
+    """Generate shards until `max_tokens` response tokens exist (resuming from what is on disk).
+
+    prompts: "mix" (training_mix: GSM8K/MATH train and ShareGPT, interleaved) or "code" (code_mix: code
+    requests and standard-library function stubs that the mix never uses); one set per folder.
+    """
     out.mkdir(parents=True, exist_ok=True)
     mpath = out / "manifest.json"
     settings = {"target": target_name, "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens,
                 "shard_size": shard_size, "seed": seed, "decoding": "greedy", "chat_template": True}
+    if prompts not in PROMPT_SETS:
+        raise D3DError(f"unknown prompt set {prompts!r}; choose from {', '.join(PROMPT_SETS)}")
+    if prompts == "code":
+        settings |= {"prompts": "code", "python": python_version()}
     manifest = json.loads(mpath.read_text()) if mpath.exists() else {"settings": settings, "shards": []}
     if manifest["settings"] != settings:
         raise ValueError(f"{out} was built with other settings: {manifest['settings']}")
-    manifest["sources"] = "interleaved mix of gsm8k-train, math-train, sharegpt first turns; benchmark test " \
-                          "prompts removed (prompts.training_mix)"
-    mix = training_mix(seed)
+    manifest["sources"] = PROMPT_SETS[prompts]
+    mix = training_mix(seed) if prompts == "mix" else code_mix(seed)
     eos = {tokenizer.eos_token_id}
     total = sum(s["response_tokens"] for s in manifest["shards"])
     bar = tqdm(total=max_tokens, initial=min(total, max_tokens), unit="tok", desc="distill", mininterval=5)

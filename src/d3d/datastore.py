@@ -133,10 +133,11 @@ def example_tokens(examples: list, vocab_size: int) -> np.ndarray:
                            for e in examples])
 
 
-def build_datastore(data: str | Path, vocab_size: int, max_shards: int | None = None) -> tuple[np.ndarray, dict]:
-    """The token array (example_tokens) of a distillation dataset, checked against the vocabulary, and its
-    meta."""
-    examples = load_dataset(data, max_shards)
+def build_datastore(data: str | Path, vocab_size: int, max_shards: int | None = None,
+                    extra: list[str | Path] = ()) -> tuple[np.ndarray, dict]:
+    """The token array (example_tokens) of a distillation dataset (its first `max_shards` shards, then every
+    shard of each `extra` dataset), checked against the vocabulary, and its meta."""
+    examples = load_dataset(data, max_shards) + [e for x in extra for e in load_dataset(x)]
     if not examples:
         raise D3DError(f"{data} holds no examples")
     tokens = example_tokens(examples, vocab_size)
@@ -145,6 +146,8 @@ def build_datastore(data: str | Path, vocab_size: int, max_shards: int | None = 
         raise D3DError(f"{data} holds token ids >= the vocabulary size {vocab_size}: built for another target?")
     meta = {"data": str(data), "examples": len(examples), "tokens": int(len(tokens)),
             "response_tokens": sum(len(e.response_ids) for e in examples), "max_shards": max_shards}
+    if extra:
+        meta["extra_data"] = [str(x) for x in extra]
     return tokens, meta
 
 

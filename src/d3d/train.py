@@ -171,14 +171,17 @@ def init_model_drafter(target, tokenizer, target_name: str, target_dir: Path, in
 def train_drafter(target: str | None, data: Path, out: Path, run_dir: Path, layers: list[int] | None,
                   draft_vocab: int, block_size: int, cfg: TrainConfig, heldout: int = 64, command: str = "",
                   max_shards: int | None = None, kind: str = "d3d", target_layers: list[int] | None = None,
-                  init: Path | None = None, init_model: str | None = None, max_file_mb: float | None = None) -> dict:
+                  init: Path | None = None, init_model: str | None = None, max_file_mb: float | None = None,
+                  extra_data: list[Path] = ()) -> dict:
     """`d3d train`: build a drafter from the target's layers (or start from the drafter `init`, whose
     architecture then wins over layers / draft_vocab / block_size), train it on the distillation data,
     save it.
 
     kind "ar" trains a causal drafter (next-token loss only); "dflash" one conditioned on the target's
     hidden states after `target_layers` (the target stays loaded, frozen, to produce them).
-    init_model: convert a whole pretrained causal LM (see init_model_drafter; layers None = all of it)."""
+    init_model: convert a whole pretrained causal LM (see init_model_drafter; layers None = all of it).
+    extra_data: datasets whose every example joins the training set; the held-out examples stay the last
+    `heldout` of `data`, so runs with and without extra data compare."""
     from .checkpoints import DEFAULT_TARGET
     from .data import load_dataset
     from .drafter import drafter_from_target
@@ -188,6 +191,8 @@ def train_drafter(target: str | None, data: Path, out: Path, run_dir: Path, laye
     model, tok, model_dir = load_target(target)
     examples = load_dataset(data, max_shards)
     train_set, held = examples[:-heldout], examples[-heldout:]
+    extra = [e for x in extra_data for e in load_dataset(x)]
+    train_set += extra
     if init is not None:
         drafter = load_drafter(init, model, tok).requires_grad_(True)
         if drafter.cfg.kind != kind:
@@ -211,8 +216,9 @@ def train_drafter(target: str | None, data: Path, out: Path, run_dir: Path, laye
     after = evaluate(drafter, held, cfg, target=feature_target)
     drafter.cfg.training = {"command": command, "init": str(init) if init else None, "init_model": init_model,
                             "init_training": drafter.cfg.training if init else None,
-                            "data": str(data), "examples": len(train_set), "heldout": heldout,
-                            "data_response_tokens": sum(len(ex.response_ids) for ex in examples),
+                            "data": str(data), "extra_data": [str(x) for x in extra_data],
+                            "examples": len(train_set), "heldout": heldout,
+                            "data_response_tokens": sum(len(ex.response_ids) for ex in examples + extra),
                             "config": cfg.__dict__, "steps_done": len(history), "heldout_before": before,
                             "heldout_after": after}
     save_drafter(drafter, out, max_file_mb=max_file_mb)

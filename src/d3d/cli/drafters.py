@@ -9,6 +9,14 @@ from ..errors import D3DError
 from .checks import check_drafter, check_max_shards, int_list, open_target
 
 
+def check_datasets(data: str, extra: list[str] | None) -> list[str]:
+    """The extra dataset folders, after checking that `data` and each of them hold a dataset."""
+    for folder in [data] + (extra or []):
+        if not (Path(folder) / "manifest.json").exists():
+            raise D3DError(f"no dataset at {folder} (build one with `d3d data --out {folder}`)")
+    return extra or []
+
+
 def cmd_data(args: argparse.Namespace) -> None:
     from ..checkpoints import DEFAULT_TARGET
     from ..data import build_dataset
@@ -23,7 +31,8 @@ def cmd_data(args: argparse.Namespace) -> None:
             f.write(msg + "\n")
 
     m = build_dataset(model, tok, Path(args.out), args.target or DEFAULT_TARGET, args.max_tokens,
-                      args.max_new_tokens, batch_size=args.batch_size, shard_size=args.shard_size, log=log)
+                      args.max_new_tokens, batch_size=args.batch_size, shard_size=args.shard_size,
+                      prompts=args.prompts, log=log)
     print(f"{args.out}: {m['examples']} examples, {m['response_tokens']} response tokens")
 
 
@@ -31,11 +40,10 @@ def cmd_datastore(args: argparse.Namespace) -> None:
     from ..checkpoints import read_hf_config, resolve_target
     from ..datastore import build_datastore, save_datastore
 
-    if not (Path(args.data) / "manifest.json").exists():
-        raise D3DError(f"no dataset at {args.data} (build one with `d3d data --out {args.data}`)")
+    extra = check_datasets(args.data, args.extra_data)
     check_max_shards(args.max_shards)
     vocab_size = read_hf_config(resolve_target(args.target))["vocab_size"]
-    tokens, meta = build_datastore(args.data, vocab_size, args.max_shards)
+    tokens, meta = build_datastore(args.data, vocab_size, args.max_shards, extra)
     meta["command"] = "d3d " + shlex.join(args.argv)
     save_datastore(args.out, tokens, vocab_size, meta)
     print(f"{args.out}: {meta['examples']} examples, {meta['tokens']} tokens "
@@ -45,8 +53,7 @@ def cmd_datastore(args: argparse.Namespace) -> None:
 def cmd_train(args: argparse.Namespace) -> None:
     from ..train import TrainConfig, train_drafter
 
-    if not (Path(args.data) / "manifest.json").exists():
-        raise D3DError(f"no dataset at {args.data} (build one with `d3d data --out {args.data}`)")
+    extra = check_datasets(args.data, args.extra_data)
     check_max_shards(args.max_shards)
     from ..checkpoints import read_hf_config, resolve_target
     from ..dflash import default_target_layers
@@ -87,7 +94,7 @@ def cmd_train(args: argparse.Namespace) -> None:
                             args.block_size, cfg, command="d3d " + shlex.join(args.argv),
                             max_shards=args.max_shards, kind=args.kind, target_layers=target_layers,
                             init=Path(args.init) if args.init else None, init_model=args.init_model,
-                            max_file_mb=args.max_file_mb)
+                            max_file_mb=args.max_file_mb, extra_data=[Path(x) for x in extra])
     before, after = summary["heldout_before"], summary["heldout_after"]
     tau = f"held-out teacher-forced tau {before['tau']} -> {after['tau']}, " if "tau" in after else ""
     print(f"{args.out}: {tau}held-out loss {before['loss']} -> {after['loss']}")

@@ -112,6 +112,8 @@ def _data(sub) -> None:
     p = sub.add_parser("data", help="generate self-distillation data from the target (resumable)")
     p.add_argument("--target", default=None)
     p.add_argument("--out", default="data/distill")
+    p.add_argument("--prompts", default="mix", choices=("mix", "code"),
+                   help="mix: GSM8K/MATH train and ShareGPT; code: code requests and stdlib function stubs")
     p.add_argument("--max-tokens", type=int, default=1_000_000, help="stop once this many response tokens exist")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=64)
@@ -125,6 +127,8 @@ def _datastore(sub) -> None:
     p.add_argument("--data", default="data/distill")
     p.add_argument("--out", required=True, help="datastore file to write (.npz)")
     p.add_argument("--max-shards", type=int, default=None, help="the first N data shards only")
+    p.add_argument("--extra-data", action="append", metavar="DIR",
+                   help="another dataset (e.g. `d3d data --prompts code`) indexed whole after --data; repeatable")
     p.add_argument("--target", default=None, help="the target the data came from (checks its vocabulary)")
     p.set_defaults(func=cmd_datastore)
 
@@ -168,6 +172,8 @@ def _train(sub) -> None:
                    help="LayerDrop: skip each drafter layer with this probability per step (makes it prunable)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-shards", type=int, default=None, help="train on the first N data shards only")
+    p.add_argument("--extra-data", action="append", metavar="DIR",
+                   help="another dataset whose every example joins training (held-out stays --data's); repeatable")
     p.add_argument("--threads", type=int, default=None)
     p.set_defaults(func=cmd_train)
 

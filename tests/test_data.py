@@ -1,0 +1,39 @@
+"""Distillation data (`d3d data`): the stored responses are the target's own greedy output, a killed or
+extended run resumes without touching finished shards, and a folder keeps one prompt set."""
+from __future__ import annotations
+
+import pytest
+
+from d3d.code_prompts import code_mix, python_version
+from d3d.data import build_dataset, load_dataset
+from d3d.engine import generate
+from d3d.errors import D3DError
+from d3d.prompts import encode_prompt, prompt_hash
+
+MAX_NEW = 6
+
+
+def test_code_data_is_the_targets_greedy_output_and_resumes(tmp_path, smol):
+    model, tok, _ = smol
+    out = tmp_path / "code"
+
+    def build(max_tokens: int, prompts: str = "code") -> dict:
+        return build_dataset(model, tok, out, "SmolLM2-135M-Instruct", max_tokens, MAX_NEW, batch_size=2,
+                             shard_size=3, prompts=prompts)
+
+    first = build(1)
+    assert first["settings"]["prompts"] == "code" and first["settings"]["python"] == python_version()
+    assert len(first["shards"]) == 1 and "code_mix" in first["sources"]
+    examples = load_dataset(out)
+    assert sorted(e.hash for e in examples) == sorted(prompt_hash(p) for _, _, p in code_mix()[:3])
+    for e in examples:
+        assert e.prompt_ids == encode_prompt(tok, next(p for _, _, p in code_mix()[:3] if prompt_hash(p) == e.hash))
+        assert e.response_ids == generate(model, tok, e.prompt_ids, max_new_tokens=MAX_NEW).token_ids
+    assert first["response_tokens"] == sum(len(e.response_ids) for e in examples) > 0
+
+    second = build(first["response_tokens"] + 1)  # resumes at shard 1; shard 0 is left as it was
+    assert len(second["shards"]) == 2 and load_dataset(out, 1) == examples
+    with pytest.raises(ValueError, match="built with other settings"):
+        build(10**6, prompts="mix")
+    with pytest.raises(D3DError, match="unknown prompt set 'prose'"):
+        build_dataset(model, tok, tmp_path / "other", "SmolLM2-135M-Instruct", 1, prompts="prose")
