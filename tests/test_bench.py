@@ -355,3 +355,28 @@ def test_bench_runs_each_method_once_per_named_drafter(tmp_path):
     assert all(r["lossless"] for r in rows.values()) and rows["d3d@a"]["tau"] == rows["d3d@b"]["tau"]
     assert report["settings"]["drafters"] == {"a": shipped, "b": shipped}
     assert report["settings"]["drafter_weights"]["d3d@a"] == report["settings"]["drafter_weights"]["d3d@b"]
+
+
+def test_bench_runs_each_retrieving_method_once_per_named_datastore(tmp_path):
+    """--datastores NAME=PATH: lookup-tree and d3d-tree run once per datastore (rows METHOD@NAME, and
+    METHOD@DRAFTER@DATASTORE with --drafters), each with its own; ngram and d3d run once."""
+    from d3d.datastore import SHIPPED
+    from d3d.methods import DEFAULT_DRAFTERS
+
+    shipped = str(next(p for p in DEFAULT_DRAFTERS.iterdir() if p.name.endswith("Instruct")))
+    store = str(next(SHIPPED.glob("*.npz")))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Count from 1 to 5."}\n')
+    out = tmp_path / "stores.json"
+    assert main(["bench", "--prompts", str(prompts), "--methods", "lookup-tree,ngram,d3d-tree,d3d", "--datastores",
+                 f"s={store}", "off=none", "--drafters", f"a={shipped}", "--max-new-tokens", "8", "--threads", "1",
+                 "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = {r["method"]: r for r in report["results"]}
+    assert list(rows) == ["ar", "lookup-tree@s", "lookup-tree@off", "ngram", "d3d-tree@a@s", "d3d-tree@a@off",
+                          "d3d@a"]
+    assert all(r["lossless"] for r in rows.values())
+    used = {name: s.get("datastore") for name, s in report["settings"]["method_settings"].items()}
+    assert used["lookup-tree@s"] == used["d3d-tree@a@s"] == store
+    assert used["lookup-tree@off"] is None and used["d3d-tree@a@off"] is None
+    assert report["settings"]["datastores"] == {"s": store, "off": "none"}

@@ -83,6 +83,7 @@ class Method:
     drafter_kind: str | None = None  # the learned drafter it loads ("d3d", "dflash", "ar"); None: none
     drafter_suffix: str = ""         # its shipped checkpoint: assets/drafters/<target name><suffix>
     drafter_option: str = "drafter"  # the CLI option that names another checkpoint for it
+    retrieves: bool = False          # reads the datastore option (`d3d bench --datastores` runs it per datastore)
 
     @property
     def option(self) -> str | None:

@@ -295,8 +295,8 @@ def _lookup_tree_runner(s: Setup):
                   block_size=s.block_size, **_tree_settings(tree))
 
 
-D3D_TREE = register(Method("d3d-tree", _tree_runner, drafter_kind="d3d",
+D3D_TREE = register(Method("d3d-tree", _tree_runner, drafter_kind="d3d", retrieves=True,
                            help="the drafter's block, its alternatives, n-gram matches and continuations "
                                 "retrieved from the target's own outputs verified as one token tree"))
-LOOKUP_TREE = register(Method("lookup-tree", _lookup_tree_runner,
+LOOKUP_TREE = register(Method("lookup-tree", _lookup_tree_runner, retrieves=True,
                               help="n-gram matches and retrieved continuations as one token tree (no drafter)"))

@@ -3,6 +3,7 @@ loads where it can (torch is imported only by the checks that need it)."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import D3DError
@@ -81,8 +82,10 @@ def check_drafter(drafter: str | None) -> None:
         raise D3DError(f"drafter path does not exist: {drafter}")
 
 
-def named_paths(specs: list[str] | None, flag: str, special: tuple[str, ...] = ()) -> dict[str, str]:
-    """NAME=PATH arguments as {name: path}: names unique, every path existing (or one of `special`)."""
+def named_paths(specs: list[str] | None, flag: str, special: tuple[str, ...] = (),
+                check: Callable[[str], None] | None = None) -> dict[str, str]:
+    """NAME=PATH arguments as {name: path}: names unique, every path existing (or one of `special`);
+    `check` (default: check_drafter) checks a path."""
     out: dict[str, str] = {}
     for spec in specs or []:
         name, sep, path = spec.partition("=")
@@ -91,7 +94,7 @@ def named_paths(specs: list[str] | None, flag: str, special: tuple[str, ...] = (
         if name in out:
             raise D3DError(f"{flag}: the name {name!r} is given twice")
         if path not in special:
-            check_drafter(path)
+            (check or check_drafter)(path)
         out[name] = path
     return out
 

@@ -80,6 +80,9 @@ def _bench(sub) -> None:
     p.add_argument("--drafters", nargs="+", default=None, metavar="NAME=PATH",
                    help="run every method that takes --drafter once per drafter (rows METHOD@NAME), "
                         "interleaved per prompt with the others")
+    p.add_argument("--datastores", nargs="+", default=None, metavar="NAME=PATH",
+                   help="run every method that retrieves (d3d-tree, lookup-tree) once per datastore (rows "
+                        "METHOD@NAME; with --drafters METHOD@DRAFTER@DATASTORE), interleaved per prompt")
     _add_method_options(p)
     p.add_argument("--limit", type=int, default=None, help="first N prompts of each benchmark")
     p.add_argument("--save-outputs", action="store_true", help="also store token ids and text per prompt")

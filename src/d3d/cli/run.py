@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from ..errors import D3DError
-from ..registry import drafter_options, get
+from ..registry import check_method_options, drafter_options, get
 from .checks import (check_budget, check_device, check_drafter, dest, drafter_for, method_options, named_paths,
                      num_threads, open_target, output_folder, sampling)
 
@@ -77,19 +77,25 @@ def _bench_prompts(args: argparse.Namespace) -> dict[str, list]:
     return {b: benchmark_prompts(b, args.limit) for b in names}
 
 
-def _bench_runs(methods: list[str], named: dict[str, str], args: argparse.Namespace,
-                model_dir: Path) -> dict[str, tuple[str, Path | None]]:
-    """Run name -> (method, drafter checkpoint). With --drafters NAME=PATH, every method that would take its
-    checkpoint from --drafter (d3d, d3d-async, d3d-tree) runs once per named drafter, as METHOD@NAME; the
-    others run once."""
+def _bench_runs(methods: list[str], named: dict[str, str], stores: dict[str, str], args: argparse.Namespace,
+                model_dir: Path) -> dict[str, tuple[str, Path | None, dict]]:
+    """Run name -> (method, drafter checkpoint, options it overrides). With --drafters NAME=PATH, every
+    method that would take its checkpoint from --drafter (d3d, d3d-async, d3d-tree) runs once per named
+    drafter, as METHOD@NAME; with --datastores NAME=PATH, every method that retrieves runs once per named
+    datastore, as METHOD@NAME (METHOD@DRAFTER@DATASTORE with both); the others run once."""
     from ..methods import drafter_path
 
-    runs: dict[str, tuple[str, Path | None]] = {}
+    runs: dict[str, tuple[str, Path | None, dict]] = {}
     for m in methods:
         if named and get(m).option == "drafter":
-            runs |= {f"{m}@{name}": (m, Path(path)) for name, path in named.items()}
+            per_drafter = {f"{m}@{name}": (m, Path(path), {}) for name, path in named.items()}
         else:
-            runs[m] = (m, drafter_path(m, model_dir, drafter_for(m, args)))
+            per_drafter = {m: (m, drafter_path(m, model_dir, drafter_for(m, args)), {})}
+        for run, (_, path, _) in per_drafter.items():
+            if stores and get(m).retrieves:
+                runs |= {f"{run}@{name}": (m, path, {"datastore": store}) for name, store in stores.items()}
+            else:
+                runs[run] = (m, path, {})
     return runs
 
 
@@ -113,21 +119,26 @@ def cmd_bench(args: argparse.Namespace) -> None:
     named = named_paths(args.drafters, "--drafters")
     if named and not any(get(m).option == "drafter" for m in methods):
         raise D3DError("--drafters needs a method that takes --drafter in --methods (e.g. d3d, d3d-async)")
+    stores = named_paths(args.datastores, "--datastores", check=lambda p: check_method_options({"datastore": p}))
+    if stores and not any(get(m).retrieves for m in methods):
+        raise D3DError("--datastores needs a method that retrieves in --methods (d3d-tree, lookup-tree)")
+    if stores and args.datastore is not None:
+        raise D3DError("--datastores names every datastore to run: it excludes --datastore")
     check_quantize_drafter(args.quantize_drafter, methods)
     prompts = _bench_prompts(args)
     out = output_folder(args.out, "--out")
 
     model, tok, model_dir = open_target(args.target, args.device, args.quantize, args.compile)
-    runs = _bench_runs(methods, named, args, model_dir)
+    runs = _bench_runs(methods, named, stores, args, model_dir)
     runners = {name: make_runner(m, model, tok, model_dir, drafter=path, block_size=args.block_size,
-                                 quantize_drafter=args.quantize_drafter, **options)
-               for name, (m, path) in runs.items()}
+                                 quantize_drafter=args.quantize_drafter, **(options | extra))
+               for name, (m, path, extra) in runs.items()}
     settings = {"methods": methods, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                 "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "block_size": args.block_size,
                 "raw": args.raw, "target": args.target,
                 **{dest(o): getattr(args, dest(o)) for o in drafter_options()},
-                **({"drafters": named} if named else {}),
-                "drafter_weights": {n: weights_fingerprint(p) for n, (_, p) in runs.items() if p is not None},
+                **({"drafters": named} if named else {}), **({"datastores": stores} if stores else {}),
+                "drafter_weights": {n: weights_fingerprint(p) for n, (_, p, _) in runs.items() if p is not None},
                 "benchmarks": list(prompts), "limit": args.limit, "quick": args.quick, "quantize": args.quantize,
                 "quantize_drafter": args.quantize_drafter, "compile": args.compile}
     for runner in runners.values():  # what a method resolved itself, e.g. d3d-tree's budget and cost curve
