@@ -25,9 +25,10 @@ def test_code_data_is_the_targets_greedy_output_and_resumes(tmp_path, smol):
     assert first["settings"]["prompts"] == "code" and first["settings"]["python"] == python_version()
     assert len(first["shards"]) == 1 and "code_mix" in first["sources"]
     examples = load_dataset(out)
-    assert sorted(e.hash for e in examples) == sorted(prompt_hash(p) for _, _, p in code_mix()[:3])
+    first_prompts = {prompt_hash(p): p for _, _, p in code_mix()[:3]}
+    assert sorted(e.hash for e in examples) == sorted(first_prompts)
     for e in examples:
-        assert e.prompt_ids == encode_prompt(tok, next(p for _, _, p in code_mix()[:3] if prompt_hash(p) == e.hash))
+        assert e.prompt_ids == encode_prompt(tok, first_prompts[e.hash])
         assert e.response_ids == generate(model, tok, e.prompt_ids, max_new_tokens=MAX_NEW).token_ids
     assert first["response_tokens"] == sum(len(e.response_ids) for e in examples) > 0
 

@@ -24,7 +24,6 @@ from itertools import chain, zip_longest
 from .prompts import (_CODE_HINT, SHAREGPT_HELDOUT_POOL, SHAREGPT_MAX_CHARS, _sharegpt_shuffled,
                       benchmark_prompt_hashes, prompt_hash, sharegpt_heldout, training_mix)
 
-CODE_SOURCES = ("sharegpt-code", "python-stdlib")
 STDLIB_MODULES = tuple("""
 abc argparse ast base64 bisect calendar colorsys configparser contextlib copy csv dataclasses datetime
 decimal difflib dis email.utils enum filecmp fnmatch fractions ftplib functools getopt gettext glob gzip
@@ -79,10 +78,9 @@ def stdlib_prompts() -> list[str]:
     return [f"Complete the following Python function.\n\n```python\n{s}```" for s in stdlib_stubs()]
 
 
-def sharegpt_code_prompts(seed: int = 0) -> list[tuple[int, str]]:
-    """(index in ShareGPT, first human turn) of code requests that training_mix(seed) never uses and
-    that lie before the held-out pool of the same seeded shuffle."""
-    mix = training_mix(seed)
+def sharegpt_code_prompts(mix: list[tuple[str, int, str]], seed: int = 0) -> list[tuple[int, str]]:
+    """(index in ShareGPT, first human turn) of code requests that `mix` (training_mix(seed)) never uses
+    and that lie before the held-out pool of the same seeded shuffle."""
     used_idx = {i for src, i, _ in mix if src == "sharegpt"}
     shuffled = _sharegpt_shuffled(seed)
     return [(i, p) for _, i, p in shuffled[:len(shuffled) - SHAREGPT_HELDOUT_POOL]
@@ -93,9 +91,10 @@ def code_mix(seed: int = 0) -> list[tuple[str, int, str]]:
     """(source, index in source, prompt) of both code sources, each shuffled with `seed` and interleaved;
     prompts equal (after normalisation) to a benchmark prompt, a training_mix prompt, a ShareGPT
     held-out prompt or an earlier one are dropped."""
-    seen = benchmark_prompt_hashes() | {prompt_hash(p) for _, _, p in training_mix(seed)} \
+    train = training_mix(seed)
+    seen = benchmark_prompt_hashes() | {prompt_hash(p) for _, _, p in train} \
         | {prompt_hash(p) for _, p in sharegpt_heldout(seed)}  # ShareGPT repeats prompts at other positions
-    share = [("sharegpt-code", i, p) for i, p in sharegpt_code_prompts(seed)]
+    share = [("sharegpt-code", i, p) for i, p in sharegpt_code_prompts(train, seed)]
     stdlib = [("python-stdlib", i, p) for i, p in enumerate(stdlib_prompts())]
     random.Random(seed).shuffle(stdlib)
     mix = []
