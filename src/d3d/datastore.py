@@ -125,10 +125,15 @@ class Datastore:
         return out
 
 
+def separator(vocab_size: int) -> int:
+    """SEP, the id that ends every example in a datastore: all ones, just above the vocabulary."""
+    return (1 << int(vocab_size).bit_length()) - 1
+
+
 def example_tokens(examples: list, vocab_size: int) -> np.ndarray:
     """The datastore's token array for `examples`: per example the last PROMPT_TAIL prompt tokens and the
     whole response, examples separated by SEP (the all-ones id just above the vocabulary)."""
-    sep = (1 << int(vocab_size).bit_length()) - 1
+    sep = separator(vocab_size)
     return np.concatenate([np.asarray(e.prompt_ids[-PROMPT_TAIL:] + e.response_ids + [sep], dtype=np.int64)
                            for e in examples])
 
@@ -141,7 +146,7 @@ def build_datastore(data: str | Path, vocab_size: int, max_shards: int | None = 
     if not examples:
         raise D3DError(f"{data} holds no examples")
     tokens = example_tokens(examples, vocab_size)
-    sep = (1 << int(vocab_size).bit_length()) - 1
+    sep = separator(vocab_size)
     if tokens[tokens != sep].max(initial=0) >= vocab_size:
         raise D3DError(f"{data} holds token ids >= the vocabulary size {vocab_size}: built for another target?")
     meta = {"data": str(data), "examples": len(examples), "tokens": int(len(tokens)),
@@ -153,7 +158,7 @@ def build_datastore(data: str | Path, vocab_size: int, max_shards: int | None = 
 
 def save_datastore(path: str | Path, tokens: np.ndarray, vocab_size: int, meta: dict) -> None:
     dtype = np.uint16 if vocab_size < (1 << 16) else np.uint32
-    sep = (1 << int(vocab_size).bit_length()) - 1
+    sep = separator(vocab_size)
     stored = np.where(tokens == sep, np.iinfo(dtype).max, tokens).astype(dtype)
     buf = io.BytesIO()
     np.savez_compressed(buf, tokens=stored, vocab_size=np.int64(vocab_size), meta=np.array(json.dumps(meta)))
@@ -173,7 +178,7 @@ def load_datastore(path: str | Path, vocab_size: int | None = None) -> Datastore
         raise D3DError(f"{path} is not a d3d datastore ({e})") from None
     if vocab_size is not None and size != vocab_size:
         raise D3DError(f"{path} was built for a vocabulary of {size} tokens; the target has {vocab_size}")
-    sep = (1 << size.bit_length()) - 1
+    sep = separator(size)
     tokens = stored.astype(np.int64)
     tokens[stored == np.iinfo(stored.dtype).max] = sep
     return Datastore(tokens, size, meta | {"file": str(path)})
