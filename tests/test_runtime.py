@@ -331,3 +331,29 @@ def test_hf_fallback_rolls_back_and_speculates_losslessly(smol, sequences):
 
     fitted = make_runner("ngram", model, tok, smol[2])  # measures this runtime's cost curve to cut its copies
     assert fitted(seq, max_new_tokens=24).token_ids == plain.token_ids
+
+
+def test_cache_lock_lets_one_process_fetch_or_convert_at_a_time(tmp_path, monkeypatch):
+    """Two d3d processes started together (parallel test workers, two servers) fetch and convert the
+    default target one after the other: the second waits on the lock, then finds the folder done."""
+    import threading
+    import time
+
+    from d3d.checkpoints import cache_lock
+
+    monkeypatch.setenv("D3D_CACHE", str(tmp_path))
+    events = []
+
+    def second():
+        with cache_lock("model-x"):
+            events.append("second in")
+
+    with cache_lock("model-x"):
+        waiter = threading.Thread(target=second)
+        waiter.start()
+        time.sleep(0.3)
+        events.append("first out")
+    waiter.join(10)
+    assert events == ["first out", "second in"]
+    with cache_lock("model-y"), cache_lock("model-z"):  # other names do not wait
+        assert (tmp_path / "locks" / "model-y.lock").exists()

