@@ -14,6 +14,7 @@ import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -96,16 +97,20 @@ def _convert_gguf(gguf: Path, out: Path) -> Path:
     return out
 
 
+def _converted_once(gguf: Callable[[], Path], out: Path) -> Path:
+    """`out`, converted from the GGUF file `gguf()` returns unless it is there already; under the cache
+    lock, so a process that waited finds it done (gguf() runs only when converting: it may fetch)."""
+    if (out / "config.json").exists():
+        return out
+    with cache_lock(f"model-{out.name}"):
+        return out if (out / "config.json").exists() else _convert_gguf(gguf(), out)
+
+
 def resolve_target(target: str | None) -> Path:
     """Turn `--target` (None = embedded default, a HF folder or a .gguf file) into a HF model folder."""
     if target is None or target == DEFAULT_TARGET:
-        out = cache_dir() / "models" / DEFAULT_TARGET
-        if (out / "config.json").exists():
-            return out
-        with cache_lock(f"model-{DEFAULT_TARGET}"):
-            if (out / "config.json").exists():
-                return out
-            return _convert_gguf(find_package_file(_GGUF_PACKAGE, _GGUF_MODULE, _GGUF_FILE, " (98 MB)"), out)
+        return _converted_once(lambda: find_package_file(_GGUF_PACKAGE, _GGUF_MODULE, _GGUF_FILE, " (98 MB)"),
+                               cache_dir() / "models" / DEFAULT_TARGET)
     path = Path(target).expanduser()
     if not path.exists():
         raise D3DError(f"target path does not exist: {target}")
@@ -115,11 +120,7 @@ def resolve_target(target: str | None) -> Path:
         if magic != b"GGUF":
             raise D3DError(f"not a model: {target} is not a GGUF file")
         digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:10]
-        out = cache_dir() / "models" / f"{path.stem}-{digest}"
-        if (out / "config.json").exists():
-            return out
-        with cache_lock(f"model-{out.name}"):
-            return out if (out / "config.json").exists() else _convert_gguf(path, out)
+        return _converted_once(lambda: path, cache_dir() / "models" / f"{path.stem}-{digest}")
     if path.is_dir() and (path / "config.json").exists():
         return path
     raise D3DError(f"not a model: {target} (expected a Hugging Face model folder with config.json or a .gguf file)")
