@@ -11,6 +11,7 @@ import torch
 from d3d.async_engine import generate_async
 from d3d.drafter import Drafter, drafter_from_target
 from d3d.engine import generate
+from d3d.errors import D3DError
 from d3d.packed import acceptance_law, keep_prefix, likely_candidates, packed_draft, packed_layout, prefill
 from d3d.target import ModelArgs, Transformer
 from d3d.trace import write_chrome_trace
@@ -209,6 +210,9 @@ def test_greedy_stop_string(greedy_pair):
         assert ar.finish_reason == "stop"
         res = generate_async(target, tok, ids, max_new_tokens=30, drafter=d, stop=stop)
         assert res.token_ids == ar.token_ids and res.finish_reason == "stop" and res.text == ar.text
+    for engine in (generate, lambda *a, **k: generate_async(*a, drafter=d, **k)):
+        with pytest.raises(D3DError, match="stop strings must be non-empty"):  # "" would end every answer at once
+            engine(target, tok, ids, max_new_tokens=30, stop=["\n", ""])
 
 
 def test_trace_has_verify_and_draft_spans(greedy_pair, tmp_path):

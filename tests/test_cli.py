@@ -77,6 +77,7 @@ EARLY_ERRORS = [
     (("train", "--out", "x", "--layer-drop", "1"), "--layer-drop must be in [0, 1)"),
     (("train", "--out", "x", "--distill", "1.5"), "--distill must be in [0, 1]"),
     (("generate", "hi", "--compile", "--quantize", "int8"), "--compile supports the fp32 CPU runtime only"),
+    (("generate", "hi", "--stop", ""), "stop strings must be non-empty"),
     (("generate", "hi", "--method", "d3d-async", "--trace", "{tmp}/junk.txt/t.json"), "cannot create the folder of --trace"),
 ]
 

@@ -99,6 +99,15 @@ class LogprobRecorder:
         self.entries += [TokenLogprob(t, c, top) for t, c, top in zip(ids, chosen, tops)]
 
 
+def check_stop(stop: list[str] | None) -> list[str]:
+    """The stop strings, checked: an empty one would match at once and end every answer after one token
+    (vLLM refuses it too)."""
+    stop = list(stop or [])
+    if any(not isinstance(s, str) or not s for s in stop):
+        raise D3DError(f"stop strings must be non-empty strings (got {stop!r})")
+    return stop
+
+
 class StopChecker:
     """Ends generation on EOS, on `max_new_tokens`, or when the decoded text contains a stop string.
 
@@ -107,7 +116,7 @@ class StopChecker:
     """
 
     def __init__(self, tokenizer, eos_ids: set[int], max_new_tokens: int, stop: list[str] | None):
-        self.tokenizer, self.eos_ids, self.max_new, self.stop = tokenizer, eos_ids, max_new_tokens, stop or []
+        self.tokenizer, self.eos_ids, self.max_new, self.stop = tokenizer, eos_ids, max_new_tokens, check_stop(stop)
 
     def clip(self, generated: list[int], chunk: list[int]) -> tuple[list[int], str | None]:
         for j, t in enumerate(chunk):

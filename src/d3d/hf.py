@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from .engine import GenerationResult, LogprobRecorder, sync_device
+from .engine import GenerationResult, LogprobRecorder, check_stop, sync_device
 from .errors import D3DError
 from .registry import Method, register
 from .target import ModelArgs
@@ -98,7 +98,7 @@ class HFRunner:
     def __call__(self, prompt_ids: list[int], params: SamplingParams | None = None, max_new_tokens: int = 128,
                  stop: list[str] | None = None, on_round=None, logprobs: LogprobRecorder | None = None
                  ) -> GenerationResult:
-        params = params or SamplingParams()
+        params, stop = params or SamplingParams(), check_stop(stop)
         kw = {"max_new_tokens": max_new_tokens, "pad_token_id": self.tokenizer.eos_token_id}
         if params.greedy:
             kw |= {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}

@@ -15,9 +15,11 @@ from .checks import (check_budget, check_device, check_drafter, dest, drafter_fo
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    from ..engine import check_stop
     from ..methods import check_quantize_drafter, make_runner, parse_methods
     from ..prompts import encode_prompt
 
+    check_stop(args.stop)
     if not args.prompt.strip():
         raise D3DError("empty prompt")
     methods = parse_methods(args.method)
