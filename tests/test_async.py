@@ -12,7 +12,7 @@ from d3d.async_engine import generate_async
 from d3d.drafter import Drafter, drafter_from_target
 from d3d.engine import generate
 from d3d.errors import D3DError
-from d3d.packed import acceptance_law, keep_prefix, likely_candidates, packed_draft, packed_layout, prefill
+from d3d.packed import acceptance_law, keep_prefix, likely_candidates, packed_draft, packed_layout
 from d3d.target import ModelArgs, Transformer
 from d3d.trace import write_chrome_trace
 from d3d.verify import SamplingParams
@@ -58,7 +58,7 @@ def tiny_pair(vocab: int, block: int, seed: int = 0, favour: tuple[int, float] |
 def fresh(d: Drafter, ctx: list[int] = ()) -> Drafter:
     d.setup_cache(1, 128)
     d.cached_tokens = []
-    prefill(d, list(ctx))
+    d.extend(list(ctx))
     return d
 
 

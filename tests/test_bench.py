@@ -111,14 +111,15 @@ def test_sharegpt_heldout_is_disjoint_from_training():
 
 # ---------------------------------------------------------------- metrics
 
-def _res(tokens: list[int], acc: list[int], decode_s: float) -> GenerationResult:
-    return GenerationResult(prompt_ids=[0], token_ids=tokens, acceptance_lengths=acc, decode_s=decode_s)
+def _res(tokens: list[int], acc: list[int], decode_s: float, prefill_s: float = 0.0) -> GenerationResult:
+    return GenerationResult(prompt_ids=[0], token_ids=tokens, acceptance_lengths=acc, decode_s=decode_s,
+                            prefill_s=prefill_s)
 
 
 def test_metric_arithmetic():
     a, b = list(range(10)), list(range(5))
     ar = [_res(a, [1] * 9, 0.9), _res(b, [1] * 4, 0.8)]
-    spec = [_res(a, [4, 5], 0.3), _res(b, [3, 1], 0.2)]
+    spec = [_res(a, [4, 5], 0.3, 0.05), _res(b, [3, 1], 0.2, 0.03)]
     wrong = [_res(a, [9], 0.1), _res([7, 7, 7, 7, 7], [4], 0.1)]
 
     r = _summary("x", "ngram", spec, ar, greedy=True, block_size=6)
@@ -128,6 +129,7 @@ def test_metric_arithmetic():
     assert r["speedup_vs_ar"] == pytest.approx(1.7 / 0.5, abs=1e-4)
     assert r["tau"] == pytest.approx(13 / 4)
     assert r["tau_histogram"] == [1, 0, 1, 1, 1, 0]
+    assert r["ttft_ms"] == pytest.approx(40.0)  # the mean prefill, kept apart from the decoding speed
     assert r["lossless"] is True and r["prompts"] == 2 and r["new_tokens"] == 15
 
     base = _summary("x", "ar", ar, ar, greedy=True)

@@ -336,3 +336,26 @@ def test_every_speculative_method_keeps_the_law(tiny, method, params):
     assert set(samples) <= set(dist)
     assert sum(n for length, n in rounds.items() if length > 1) > 100  # drafts really were accepted
     assert chi2_pvalue(samples, dist) > 1e-3
+
+
+@pytest.mark.parametrize("method", ["d3d", "d3d-tree", "d3d-async"])
+def test_the_drafter_reads_the_prompt_in_the_prefill_phase(tiny, monkeypatch, method):
+    """A drafter's pass over the prompt is part of the time to first token (prefill_s), as the target's
+    is, not of the decoding rounds that tokens/s measures; d3d-async's worker runs it beside the target's
+    prefill, and the synchronous methods now count it the same way."""
+    import time
+
+    from sampling_law import tiny_drafter
+
+    drafter = tiny_drafter(tiny_model(noise=NOISE), BLOCK_TINY)
+    read, extend = [], drafter.extend
+
+    def slow_extend(tokens):
+        read.append(list(tokens))
+        time.sleep(0.5)
+        extend(tokens)
+
+    monkeypatch.setattr(drafter, "extend", slow_extend)
+    res = method_runner(method, tiny, drafter)(GREEDY)
+    assert read[0] == PROMPT_ALL and len(read) == 1  # once, the prompt; rounds feed only what is new
+    assert res.prefill_s >= 0.5 > res.decode_s

@@ -32,6 +32,7 @@ class ARDraftProposer:
     def reset(self, prompt_ids: list[int]) -> None:
         self.drafter.setup_cache(1, self.max_len)
         self.drafter.cached_tokens = []
+        self.drafter.extend(prompt_ids)
         self.k, self.last = self.k0, None
         self.generator = draft_generator(self.params, self.drafter.draft_ids.device)
 

@@ -25,7 +25,7 @@ from .drafter import Drafter
 from .engine import (GenerationResult, LogprobRecorder, StopChecker, commit_first, commit_round, sync_device,
                      validate_request)
 from .errors import D3DError
-from .packed import keep_prefix, likely_candidates, packed_draft, prefill
+from .packed import keep_prefix, likely_candidates, packed_draft
 from .proposer import draft_generator, sample_draft
 from .registry import Method, Runner, Setup, register
 from .trace import DRAFT_TID, VERIFY_TID, add_span, now_us
@@ -197,7 +197,7 @@ def generate_async(model, tokenizer, prompt_ids: list[int], params: SamplingPara
 
     with DraftWorker(drafter, params, model.args.vocab_size, overlap, max_candidates, head_all, trace, device) as w:
         t0 = now_us()
-        fut = w.submit(prefill, drafter, list(prompt_ids))
+        fut = w.submit(drafter.extend, list(prompt_ids))
         logits = model(torch.tensor([prompt_ids], device=device), last_only=True)
         first = next_token(logits[0, -1], params, gen)
         sync_device(device)

@@ -142,7 +142,7 @@ def open_journal(path: Path, header: dict) -> tuple[dict[str, RecordedResult], o
 def _prompt_row(benchmark: str, method: str, index: int, r: GenerationResult, save_outputs: bool,
                 item: int | None = None, turn: int | None = None) -> dict:
     row = {"benchmark": benchmark, "method": method, "prompt_index": index, "new_tokens": r.new_tokens,
-           "rounds": r.rounds, "decode_s": round(r.decode_s, 5), "tau": round(r.tau, 4),
+           "rounds": r.rounds, "prefill_s": round(r.prefill_s, 5), "decode_s": round(r.decode_s, 5), "tau": round(r.tau, 4),
            "acceptance_lengths": r.acceptance_lengths, "finish_reason": r.finish_reason}
     if turn is not None:
         row["item"], row["turn"] = item, turn
@@ -177,6 +177,7 @@ def _summary(benchmark: str, method: str, results: list[GenerationResult], ar: l
     row = {"benchmark": benchmark, "method": method, "prompts": len(results),
            "tau": round(sum(sum(r.acceptance_lengths) for r in results) / max(1, rounds), 4),
            "tokens_per_s": round(1 / tpot, 3) if tpot > 0 else 0.0, "tpot_s": round(tpot, 6),
+           "ttft_ms": round(1e3 * sum(r.prefill_s for r in results) / max(1, len(results)), 2),
            "speedup_vs_ar": 1.0 if method == "ar" else round(ar_tpot / tpot, 4) if tpot > 0 else 0.0,
            "lossless": lossless, "new_tokens": sum(r.new_tokens for r in results),
            "tau_histogram": tau_histogram(results, block_size)}
@@ -271,7 +272,7 @@ def _fingerprint(prompts: dict[str, list[BenchItem]]) -> dict[str, str]:
 
 def format_table(results: list[dict]) -> str:
     cols = [("benchmark", "{}"), ("method", "{}"), ("prompts", "{}"), ("tau", "{:.2f}"),
-            ("tokens_per_s", "{:.1f}"), ("speedup_vs_ar", "{:.2f}x"), ("lossless", "{}")]
-    rows = [[c for c, _ in cols]] + [[fmt.format(r[c]) for c, fmt in cols] for r in results]
+            ("tokens_per_s", "{:.1f}"), ("speedup_vs_ar", "{:.2f}x"), ("ttft_ms", "{:.1f}"), ("lossless", "{}")]
+    rows = [[c for c, _ in cols]] + [[fmt.format(r[c]) if c in r else "-" for c, fmt in cols] for r in results]
     widths = [max(len(row[j]) for row in rows) for j in range(len(cols))]
     return "\n".join("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in rows)

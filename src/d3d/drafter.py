@@ -98,6 +98,15 @@ class Drafter(Transformer):
         del self.cached_tokens[n:]
         return tokens[n:]
 
+    @torch.no_grad()
+    def extend(self, tokens: list[int]) -> None:
+        """Make the cache hold `tokens` (clean, causal, no LM head): the drafter's share of the prefill,
+        so that the rounds after it feed only the newly verified tokens."""
+        new = self.sync_context(tokens)
+        if new:
+            self.hidden(torch.tensor([new], device=self.draft_ids.device))
+            self.cached_tokens += new
+
     def mask_slots(self, slots: int | None = None) -> int:
         """Mask tokens fed for a block of `slots` slots (None: the whole block): as many, or one fewer with
         token shift (slot 0 is then the last clean token's own state)."""

@@ -21,7 +21,10 @@ class Proposer(Protocol):
     """A drafter. `propose` sees every verified token (the last one is the pending one) and returns up to
     `k` draft tokens and, optionally, the distributions [len(draft), V] they were sampled from (None =
     deterministic drafts, i.e. one-hot). Before `reset` the engine sets `params` to the request's
-    sampling settings, so a proposer may draft greedily at temperature 0 and sample otherwise.
+    sampling settings, so a proposer may draft greedily at temperature 0 and sample otherwise. `reset`
+    runs in the prefill phase, timed into prefill_s (time to first token) as the target's prompt pass is:
+    a drafter with a cache reads the prompt there, as vLLM's draft models do and as d3d-async's worker
+    does beside the target's prefill, so that decoding rounds feed only new tokens.
 
     A proposer with a non-empty `hidden_layers` list (DFlash) also gets `observe(taps)`: the target's hidden
     states after those layers for every newly verified position, taken from the verification pass itself."""
@@ -182,15 +185,18 @@ def commit_first(res: GenerationResult, stopper: StopChecker, first: int, row: t
 
 def prefill(model, res: GenerationResult, stopper: StopChecker, prompt_ids: list[int], params: SamplingParams,
             gen: torch.Generator, device, on_round=None, logprobs: LogprobRecorder | None = None,
-            hidden_layers=None):
-    """The prompt's forward and the first token, committed (commit_first) and timed into res.prefill_s.
-    Returns (working tokens, finish reason or None, decode start time, hidden-state taps or None)."""
+            hidden_layers=None, drafter_prefill=None):
+    """The prompt's forward and the first token, committed (commit_first) and timed into res.prefill_s,
+    with the drafter's own share of the prefill: drafter_prefill(taps), if given. Returns (working
+    tokens, finish reason or None, decode start time, hidden-state taps or None)."""
     t0 = time.perf_counter()
     logits = model(torch.tensor([prompt_ids], device=device), last_only=True, hidden_layers=hidden_layers)
     taps = None
     if hidden_layers:
         logits, taps = logits
     first = next_token(logits[0, -1], params, gen)
+    if drafter_prefill is not None:
+        drafter_prefill(taps)
     sync_device(device)
     t1 = time.perf_counter()
     res.prefill_s = t1 - t0
@@ -233,15 +239,16 @@ def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams | N
     stopper = StopChecker(tokenizer, {tokenizer.eos_token_id}, max_new_tokens, stop)
     res = GenerationResult(prompt_ids=list(prompt_ids))
     model.setup_cache(1, len(prompt_ids) + max_new_tokens + block_size + 1)
-    if proposer is not None:
+    taps_of = getattr(proposer, "hidden_layers", None) or None
+
+    def drafter_prefill(taps) -> None:
         proposer.params = params
         proposer.reset(list(prompt_ids))
+        if taps_of:
+            proposer.observe(taps)
 
-    taps_of = getattr(proposer, "hidden_layers", None) or None
     tokens, reason, t1, taps = prefill(model, res, stopper, prompt_ids, params, gen, device, on_round, logprobs,
-                                       taps_of)
-    if taps_of:
-        proposer.observe(taps)
+                                       taps_of, None if proposer is None else drafter_prefill)
     while reason is None:
         if proposer is None:
             logits = model(torch.tensor([[tokens[-1]]], device=device))

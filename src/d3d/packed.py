@@ -87,15 +87,6 @@ def keep_prefix(drafter: Drafter, n: int) -> None:
     del drafter.cached_tokens[n:]
 
 
-@torch.no_grad()
-def prefill(drafter: Drafter, ids: list[int]) -> None:
-    """Feed clean tokens causally after the cache (no LM head): the drafter's share of the prefill."""
-    new = drafter.sync_context(ids)
-    if new:
-        drafter.hidden(torch.tensor([new], device=drafter.draft_ids.device))
-        drafter.cached_tokens += new
-
-
 def acceptance_law(confidences: list[float]) -> list[float]:
     """P(a accepted drafts), a = 0..k, if draft i is accepted independently with probability
     confidences[i] (the drafter's own probability of its token): a proxy for where a rejection lands."""

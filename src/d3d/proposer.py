@@ -24,6 +24,7 @@ class D3DProposer:
     def reset(self, prompt_ids: list[int]) -> None:
         self.drafter.setup_cache(1, self.max_len)
         self.drafter.cached_tokens = []
+        self.drafter.extend(prompt_ids)
         self.generator = draft_generator(self.params, self.drafter.draft_ids.device)
 
     def propose(self, tokens: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:

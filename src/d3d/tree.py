@@ -222,10 +222,10 @@ def generate_tree(model, tokenizer, prompt_ids: list[int], params: SamplingParam
     res = TreeGenerationResult(prompt_ids=list(prompt_ids))
     model.setup_cache(1, len(prompt_ids) + max_new_tokens + max(max_depth + 1, proposer.budget) + 1)
     proposer.params = params
-    proposer.reset(list(prompt_ids))
 
     on_round = _reporting_branch(on_round, res)
-    tokens, reason, t1, _ = prefill(model, res, stopper, prompt_ids, params, gen, device, on_round, logprobs)
+    tokens, reason, t1, _ = prefill(model, res, stopper, prompt_ids, params, gen, device, on_round, logprobs,
+                                    drafter_prefill=lambda _: proposer.reset(list(prompt_ids)))
     while reason is None:
         k = min(max_depth, max_new_tokens - len(res.token_ids) - 1)
         tree = proposer.build(tokens, k)
