@@ -299,6 +299,20 @@ def test_generation_keeps_the_law_and_a_broken_rule_is_caught(tiny, tree_propose
     assert chi2_pvalue(samples, dist) < 1e-6
 
 
+def test_a_drafter_whose_nodes_never_make_the_cut_stops_running(tiny, monkeypatch):
+    """Its pass costs the same whether or not the selection keeps any of its nodes (copying long
+    n-gram matches fills the budget): such rounds count as drafted with nothing gained, so it is then run
+    only on probe rounds."""
+    calls = []
+    monkeypatch.setattr(d3d.tree, "d3d_block", lambda *a, **k: calls.append(1) or d3d.tree.SlotBlock([[1]] * 2, [[0.9]] * 2))
+    proposer = TreeProposer(D3DProposer(tiny_drafter(tiny), V, max_len=64), budget=1, draft_slots=2,
+                            cost=WidthCost({1: 1.0, 16: 1.0}, overhead=0.5))  # room for the root only
+    res = generate_tree(tiny, StubTokenizer(), [1, 2, 3, 1, 2], GREEDY, 40, proposer=proposer, max_depth=3)
+    rounds = len(res.acceptance_lengths)
+    assert res.tree_sizes == [1] * rounds and rounds >= 30
+    assert len(calls) <= rounds // 3  # a few rounds while its optimistic start decays, then probes only
+
+
 def test_a_tree_cut_to_two_nodes_keeps_the_law(tiny):
     """One node below the root: which candidate keeps it depends on the drafter's and the n-gram's tokens
     (a tree that held a token sampled from the drafter's law here failed this test at p = 1e-18)."""

@@ -92,7 +92,7 @@ class TreeProposer:
         self.params = SamplingParams()
 
     def reset(self, prompt_ids: list[int]) -> None:
-        self.drafter_gain, self.idle_rounds = 1.0, 0
+        self.drafter_gain, self.idle_rounds, self.drafted = 1.0, 0, False
         self.token_time = None if self.cost is None else self.cost(1)  # modelled seconds per emitted token
         self.rates: dict[tuple, list[float]] = {}  # n-gram / retrieved node label -> [accepted, tried], decayed
         if self.d3d is not None:
@@ -126,8 +126,10 @@ class TreeProposer:
 
     def accepted(self, tree: TokenTree, path: list[int], drafted: bool) -> None:
         """Feedback after verification: every labelled node whose parent was reached counts as tried,
-        and as accepted if it is on the path (so the rates depend on verified text only); and how many
-        accepted tokens only the drafter had proposed, and what the round cost per emitted token."""
+        and as accepted if it is on the path (so the rates depend on verified text only); and, if the
+        drafter ran this round (`drafted`, whether or not any of its nodes made the cut: its pass was paid
+        for either way), how many accepted tokens only it had proposed; and what the round cost per
+        emitted token."""
         reached = {0, *path}
         for i in range(1, len(tree)):
             if tree.parents[i] in reached:
@@ -147,8 +149,9 @@ class TreeProposer:
     def build(self, tokens: list[int], k: int) -> TokenTree:
         """The tree for the round after `tokens` (ending with the pending token), at most k deep."""
         draft = TreeDraft(tokens[-1])
+        self.drafted = k > 0 and self.d3d is not None and self.drafting_pays()
         matches = ngram_continuations(tokens, k, self.ngram_matches, self.max_ngram) if k > 0 else []
-        if k > 0 and self.d3d is not None and self.drafting_pays():
+        if self.drafted:
             self._add_drafter(draft, d3d_block(self.d3d, tokens, k, self.params, self.alternatives + 1,
                                                  self.draft_slots))
         for rank, (n, follow) in enumerate(matches):
@@ -233,7 +236,7 @@ def generate_tree(model, tokenizer, prompt_ids: list[int], params: SamplingParam
         logits = tree_logits(model, tree)
         path, nxt = verify_tree(tree, logits, params, gen)
         compact_cache(model, base, path)
-        proposer.accepted(tree, path, drafted=any("d3d" in s for s in tree.sources))
+        proposer.accepted(tree, path, drafted=proposer.drafted)
         chunk = [tree.tokens[i] for i in path] + [nxt]
         res.acceptance_lengths.append(len(path) + 1)
         res.tree_sizes.append(len(tree))
