@@ -473,6 +473,7 @@ def test_metrics_count_requests_and_tokens(env):
     assert after["d3d_prompt_tokens_total"] - before["d3d_prompt_tokens_total"] == body["usage"]["prompt_tokens"]
     assert after["d3d_last_tau"] == pytest.approx(body["d3d"]["tau"], abs=1e-3)
     assert after["d3d_tau"] >= 1 and after["d3d_tokens_per_second"] > 0 and after["d3d_last_tokens_per_second"] > 0
+    assert after["d3d_prefill_seconds_total"] > before.get("d3d_prefill_seconds_total", 0)  # time to first token
     assert 'd3d_info{model="SmolLM2-135M-Instruct",method="ngram"} 1' in text
 
 

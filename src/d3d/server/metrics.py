@@ -23,6 +23,7 @@ class Metrics:
         self.round_tokens = 0
         self.decode_tokens = 0
         self.decode_s = 0.0
+        self.prefill_s = 0.0
         self.last_tau = 0.0
         self.last_tokens_per_s = 0.0
 
@@ -43,6 +44,7 @@ class Metrics:
             self.round_tokens += sum(res.acceptance_lengths)
             self.decode_tokens += max(0, res.new_tokens - 1)
             self.decode_s += res.decode_s
+            self.prefill_s += res.prefill_s
             self.last_tau, self.last_tokens_per_s = res.tau, res.tokens_per_s
 
     def render(self, gen: Generator, worker: Worker) -> str:
@@ -70,6 +72,8 @@ class Metrics:
                           [("", self.rounds)])
             out += metric("d3d_decode_seconds_total", "counter", "Decode time (after the prefill) of completed "
                           "generations.", [("", self.decode_s)])
+            out += metric("d3d_prefill_seconds_total", "counter", "Prefill time (the prompt's passes, a drafter's "
+                          "included, and the first token) of completed generations.", [("", self.prefill_s)])
             out += metric("d3d_tau", "gauge", "Mean acceptance length (accepted drafts + 1 per round), all rounds.",
                           [("", self.round_tokens / self.rounds if self.rounds else 0.0)])
             out += metric("d3d_tokens_per_second", "gauge", "Decode throughput over all completed generations.",
