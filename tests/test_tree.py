@@ -304,7 +304,8 @@ def test_a_drafter_whose_nodes_never_make_the_cut_stops_running(tiny, monkeypatc
     n-gram matches fills the budget): such rounds count as drafted with nothing gained, so it is then run
     only on probe rounds."""
     calls = []
-    monkeypatch.setattr(d3d.tree, "d3d_block", lambda *a, **k: calls.append(1) or d3d.tree.SlotBlock([[1]] * 2, [[0.9]] * 2))
+    block = d3d.tree.SlotBlock([[1]] * 2, [[0.9]] * 2)
+    monkeypatch.setattr(d3d.tree, "d3d_block", lambda *a, **k: calls.append(1) or block)
     proposer = TreeProposer(D3DProposer(tiny_drafter(tiny), V, max_len=64), budget=1, draft_slots=2,
                             cost=WidthCost({1: 1.0, 16: 1.0}, overhead=0.5))  # room for the root only
     res = generate_tree(tiny, StubTokenizer(), [1, 2, 3, 1, 2], GREEDY, 40, proposer=proposer, max_depth=3)

@@ -142,8 +142,8 @@ def open_journal(path: Path, header: dict) -> tuple[dict[str, RecordedResult], o
 def _prompt_row(benchmark: str, method: str, index: int, r: GenerationResult, save_outputs: bool,
                 item: int | None = None, turn: int | None = None) -> dict:
     row = {"benchmark": benchmark, "method": method, "prompt_index": index, "new_tokens": r.new_tokens,
-           "rounds": r.rounds, "prefill_s": round(r.prefill_s, 5), "decode_s": round(r.decode_s, 5), "tau": round(r.tau, 4),
-           "acceptance_lengths": r.acceptance_lengths, "finish_reason": r.finish_reason}
+           "rounds": r.rounds, "prefill_s": round(r.prefill_s, 5), "decode_s": round(r.decode_s, 5),
+           "tau": round(r.tau, 4), "acceptance_lengths": r.acceptance_lengths, "finish_reason": r.finish_reason}
     if turn is not None:
         row["item"], row["turn"] = item, turn
     # method-specific stats (d3d-async: packed_hits, fallbacks, hit_rate, mean_*_ms) pass through
