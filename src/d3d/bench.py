@@ -273,6 +273,6 @@ def _fingerprint(prompts: dict[str, list[BenchItem]]) -> dict[str, str]:
 def format_table(results: list[dict]) -> str:
     cols = [("benchmark", "{}"), ("method", "{}"), ("prompts", "{}"), ("tau", "{:.2f}"),
             ("tokens_per_s", "{:.1f}"), ("speedup_vs_ar", "{:.2f}x"), ("ttft_ms", "{:.1f}"), ("lossless", "{}")]
-    rows = [[c for c, _ in cols]] + [[fmt.format(r[c]) if c in r else "-" for c, fmt in cols] for r in results]
+    rows = [[c for c, _ in cols]] + [[fmt.format(r[c]) for c, fmt in cols] for r in results]
     widths = [max(len(row[j]) for row in rows) for j in range(len(cols))]
     return "\n".join("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in rows)
