@@ -20,7 +20,7 @@ from d3d.code_prompts import code_mix
 from d3d.engine import GenerationResult
 from d3d.errors import D3DError
 from d3d.prompts import (BENCHMARKS, SHAREGPT_HELDOUT_POOL, MultiTurn, benchmark_prompt_hashes, benchmark_prompts,
-                         prompt_hash, sharegpt_heldout, train_prompts, training_mix)
+                         chat_mix, prompt_hash, sharegpt_heldout, train_prompts, training_mix)
 from d3d.report import markdown_table, write_report
 from d3d.verify import SamplingParams
 
@@ -85,6 +85,24 @@ def test_code_prompts_are_disjoint_from_training_heldout_and_benchmarks():
         fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef))
         assert len(ast.get_docstring(fn)) >= 40
     assert code_mix() == code  # deterministic
+
+
+def test_chat_prompts_are_disjoint_from_every_other_set():
+    """`d3d data --prompts chat` draws ShareGPT requests that neither training_mix, code_mix, the held-out
+    slice nor any benchmark uses, none mentioning code, all before the held-out pool."""
+    mix, code, chat = training_mix(), code_mix(), chat_mix()
+    hashes = [prompt_hash(p) for _, _, p in chat]
+    assert len(chat) > 1000 and len(set(hashes)) == len(hashes)
+    assert {src for src, _, _ in chat} == {"sharegpt-chat"}
+    assert not set(hashes) & ({prompt_hash(p) for _, _, p in mix + code} | benchmark_prompt_hashes()
+                              | {prompt_hash(p) for _, p in sharegpt_heldout()})
+    used = {i for src, i, _ in mix if src == "sharegpt"} | {i for src, i, _ in code if src == "sharegpt-code"}
+    assert not {i for _, i, _ in chat} & used
+    order = list(range(len(train_prompts("sharegpt"))))
+    random.Random(0).shuffle(order)
+    position = {i: k for k, i in enumerate(order)}
+    assert max(position[i] for _, i, _ in chat) < len(order) - SHAREGPT_HELDOUT_POOL
+    assert chat_mix() == chat  # deterministic
 
 
 def test_sharegpt_heldout_is_disjoint_from_training():

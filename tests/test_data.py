@@ -8,24 +8,27 @@ from d3d.code_prompts import code_mix, python_version
 from d3d.data import build_dataset, load_dataset
 from d3d.engine import generate
 from d3d.errors import D3DError
-from d3d.prompts import encode_prompt, prompt_hash
+from d3d.prompts import chat_mix, encode_prompt, prompt_hash
 
 MAX_NEW = 6
 
 
-def test_code_data_is_the_targets_greedy_output_and_resumes(tmp_path, smol):
+@pytest.mark.parametrize("prompt_set", ["code", "chat"])
+def test_data_is_the_targets_greedy_output_and_resumes(tmp_path, smol, prompt_set):
     model, tok, _ = smol
-    out = tmp_path / "code"
+    out = tmp_path / prompt_set
 
-    def build(max_tokens: int, prompts: str = "code") -> dict:
+    def build(max_tokens: int, prompts: str = prompt_set) -> dict:
         return build_dataset(model, tok, out, "SmolLM2-135M-Instruct", max_tokens, MAX_NEW, batch_size=2,
                              shard_size=3, prompts=prompts)
 
     first = build(1)
-    assert first["settings"]["prompts"] == "code" and first["settings"]["python"] == python_version()
-    assert len(first["shards"]) == 1 and "code_mix" in first["sources"]
+    assert first["settings"]["prompts"] == prompt_set
+    assert first["settings"].get("python") == (python_version() if prompt_set == "code" else None)
+    mix = {"code": code_mix, "chat": chat_mix}[prompt_set]
+    assert len(first["shards"]) == 1 and f"{mix.__name__}" in first["sources"]
     examples = load_dataset(out)
-    first_prompts = {prompt_hash(p): p for _, _, p in code_mix()[:3]}
+    first_prompts = {prompt_hash(p): p for _, _, p in mix()[:3]}
     assert sorted(e.hash for e in examples) == sorted(first_prompts)
     for e in examples:
         assert e.prompt_ids == encode_prompt(tok, first_prompts[e.hash])

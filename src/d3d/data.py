@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from .code_prompts import code_mix, python_version
 from .errors import D3DError
-from .prompts import encode_prompt, prompt_hash, training_mix
+from .prompts import chat_mix, encode_prompt, prompt_hash, training_mix
 
 PROMPT_SETS = {
     "mix": "interleaved mix of gsm8k-train, math-train, sharegpt first turns; benchmark test prompts removed "
@@ -28,7 +28,10 @@ PROMPT_SETS = {
     "code": "interleaved sharegpt first turns that mention code (positions training_mix never uses, before the "
             "held-out pool) and python standard-library function stubs; benchmark and training_mix prompts "
             "removed (code_prompts.code_mix)",
+    "chat": "sharegpt first turns that do not mention code (positions training_mix never uses, before the "
+            "held-out pool); benchmark, training_mix and held-out prompts removed (prompts.chat_mix)",
 }
+PROMPT_MIXES = {"mix": training_mix, "code": code_mix, "chat": chat_mix}
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -142,8 +145,9 @@ def build_dataset(model, tokenizer, out: Path, target_name: str, max_tokens: int
                   prompts: str = "mix", log=None) -> dict:
     """Generate shards until `max_tokens` response tokens exist (resuming from what is on disk).
 
-    prompts: "mix" (training_mix: GSM8K/MATH train and ShareGPT, interleaved) or "code" (code_mix: code
-    requests and standard-library function stubs that the mix never uses); one set per folder.
+    prompts: "mix" (training_mix: GSM8K/MATH train and ShareGPT, interleaved), "code" (code_mix: code
+    requests and standard-library function stubs that the mix never uses) or "chat" (chat_mix: ShareGPT
+    requests that neither uses); one set per folder.
     """
     out.mkdir(parents=True, exist_ok=True)
     mpath = out / "manifest.json"
@@ -153,11 +157,13 @@ def build_dataset(model, tokenizer, out: Path, target_name: str, max_tokens: int
         raise D3DError(f"unknown prompt set {prompts!r}; choose from {', '.join(PROMPT_SETS)}")
     if prompts == "code":
         settings |= {"prompts": "code", "python": python_version()}
+    elif prompts == "chat":
+        settings |= {"prompts": "chat"}
     manifest = json.loads(mpath.read_text()) if mpath.exists() else {"settings": settings, "shards": []}
     if manifest["settings"] != settings:
         raise ValueError(f"{out} was built with other settings: {manifest['settings']}")
     manifest["sources"] = PROMPT_SETS[prompts]
-    mix = training_mix(seed) if prompts == "mix" else code_mix(seed)
+    mix = PROMPT_MIXES[prompts](seed)
     eos = {tokenizer.eos_token_id}
     total = sum(s["response_tokens"] for s in manifest["shards"])
     bar = tqdm(total=max_tokens, initial=min(total, max_tokens), unit="tok", desc="distill", mininterval=5)

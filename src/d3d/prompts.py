@@ -226,6 +226,28 @@ def sharegpt_heldout(seed: int = 0, pool: int = SHAREGPT_HELDOUT_POOL,
     return list(_sharegpt_heldout_cached(seed, pool, max_chars))
 
 
+def chat_mix(seed: int = 0) -> list[tuple[str, int, str]]:
+    """(source, index in ShareGPT, prompt) for `d3d data --prompts chat`: ShareGPT first turns that no
+    other prompt set uses. They come from the positions of training_mix's seeded shuffle that it never
+    reaches (it zips its sources and stops at the shortest) and before the held-out pool, and do not
+    mention code (code_mix takes those); prompts equal (after normalisation) to a benchmark, training_mix
+    or held-out prompt, or to an earlier one, are dropped. Chat is where the drafter is weakest, and the
+    main mix gives it only a third of its examples."""
+    train = training_mix(seed)
+    used_idx = {i for src, i, _ in train if src == "sharegpt"}
+    seen = benchmark_prompt_hashes() | {prompt_hash(p) for _, _, p in train} \
+        | {prompt_hash(p) for _, p in sharegpt_heldout(seed)}
+    shuffled = _sharegpt_shuffled(seed)
+    out = []
+    for _, i, p in shuffled[:len(shuffled) - SHAREGPT_HELDOUT_POOL]:
+        h = prompt_hash(p)
+        if i in used_idx or not 12 <= len(p) <= SHAREGPT_MAX_CHARS or _CODE_HINT.search(p) or h in seen:
+            continue
+        seen.add(h)
+        out.append(("sharegpt-chat", i, p))
+    return out
+
+
 CALIBRATION_SETS = ("math", "code", "chat")
 _CODE_HINT = re.compile(r"\b(python|javascript|typescript|java|c\+\+|sql|html|css|code|function|script|regex|"
                         r"class|api|bash|react|golang|rust|program|application|app)\b|c#|```|def |#include",

@@ -115,8 +115,9 @@ def _data(sub) -> None:
     p = sub.add_parser("data", help="generate self-distillation data from the target (resumable)")
     p.add_argument("--target", default=None)
     p.add_argument("--out", default="data/distill")
-    p.add_argument("--prompts", default="mix", choices=("mix", "code"),
-                   help="mix: GSM8K/MATH train and ShareGPT; code: code requests and stdlib function stubs")
+    p.add_argument("--prompts", default="mix", choices=("mix", "code", "chat"),
+                   help="mix: GSM8K/MATH train and ShareGPT; code: code requests and stdlib function stubs; "
+                        "chat: other ShareGPT requests that neither uses")
     p.add_argument("--max-tokens", type=int, default=1_000_000, help="stop once this many response tokens exist")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=64)
