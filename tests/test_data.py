@@ -26,7 +26,7 @@ def test_data_is_the_targets_greedy_output_and_resumes(tmp_path, smol, prompt_se
     assert first["settings"]["prompts"] == prompt_set
     assert first["settings"].get("python") == (python_version() if prompt_set == "code" else None)
     mix = {"code": code_mix, "chat": chat_mix}[prompt_set]
-    assert len(first["shards"]) == 1 and f"{mix.__name__}" in first["sources"]
+    assert len(first["shards"]) == 1 and mix.__name__ in first["sources"]
     examples = load_dataset(out)
     first_prompts = {prompt_hash(p): p for _, _, p in mix()[:3]}
     assert sorted(e.hash for e in examples) == sorted(first_prompts)

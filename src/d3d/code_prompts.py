@@ -21,8 +21,7 @@ import textwrap
 import warnings
 from itertools import chain, zip_longest
 
-from .prompts import (_CODE_HINT, SHAREGPT_HELDOUT_POOL, SHAREGPT_MAX_CHARS, _sharegpt_shuffled,
-                      benchmark_prompt_hashes, prompt_hash, sharegpt_heldout, training_mix)
+from .prompts import _CODE_HINT, prompt_hash, taken_prompt_hashes, training_mix, unused_sharegpt
 
 STDLIB_MODULES = tuple("""
 abc argparse ast base64 bisect calendar colorsys configparser contextlib copy csv dataclasses datetime
@@ -81,10 +80,7 @@ def stdlib_prompts() -> list[str]:
 def sharegpt_code_prompts(mix: list[tuple[str, int, str]], seed: int = 0) -> list[tuple[int, str]]:
     """(index in ShareGPT, first human turn) of code requests that `mix` (training_mix(seed)) never uses
     and that lie before the held-out pool of the same seeded shuffle."""
-    used_idx = {i for src, i, _ in mix if src == "sharegpt"}
-    shuffled = _sharegpt_shuffled(seed)
-    return [(i, p) for _, i, p in shuffled[:len(shuffled) - SHAREGPT_HELDOUT_POOL]
-            if i not in used_idx and 12 <= len(p) <= SHAREGPT_MAX_CHARS and _CODE_HINT.search(p)]
+    return [(i, p) for i, p in unused_sharegpt(mix, seed) if _CODE_HINT.search(p)]
 
 
 def code_mix(seed: int = 0) -> list[tuple[str, int, str]]:
@@ -92,8 +88,7 @@ def code_mix(seed: int = 0) -> list[tuple[str, int, str]]:
     prompts equal (after normalisation) to a benchmark prompt, a training_mix prompt, a ShareGPT
     held-out prompt or an earlier one are dropped."""
     train = training_mix(seed)
-    seen = benchmark_prompt_hashes() | {prompt_hash(p) for _, _, p in train} \
-        | {prompt_hash(p) for _, p in sharegpt_heldout(seed)}  # ShareGPT repeats prompts at other positions
+    seen = taken_prompt_hashes(train, seed)
     share = [("sharegpt-code", i, p) for i, p in sharegpt_code_prompts(train, seed)]
     stdlib = [("python-stdlib", i, p) for i, p in enumerate(stdlib_prompts())]
     random.Random(seed).shuffle(stdlib)

@@ -155,10 +155,10 @@ def build_dataset(model, tokenizer, out: Path, target_name: str, max_tokens: int
                 "shard_size": shard_size, "seed": seed, "decoding": "greedy", "chat_template": True}
     if prompts not in PROMPT_SETS:
         raise D3DError(f"unknown prompt set {prompts!r}; choose from {', '.join(PROMPT_SETS)}")
+    if prompts != "mix":  # the main mix's folders predate the field
+        settings["prompts"] = prompts
     if prompts == "code":
-        settings |= {"prompts": "code", "python": python_version()}
-    elif prompts == "chat":
-        settings |= {"prompts": "chat"}
+        settings["python"] = python_version()
     manifest = json.loads(mpath.read_text()) if mpath.exists() else {"settings": settings, "shards": []}
     if manifest["settings"] != settings:
         raise ValueError(f"{out} was built with other settings: {manifest['settings']}")

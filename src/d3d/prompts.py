@@ -234,18 +234,30 @@ def chat_mix(seed: int = 0) -> list[tuple[str, int, str]]:
     or held-out prompt, or to an earlier one, are dropped. Chat is where the drafter is weakest, and the
     main mix gives it only a third of its examples."""
     train = training_mix(seed)
-    used_idx = {i for src, i, _ in train if src == "sharegpt"}
-    seen = benchmark_prompt_hashes() | {prompt_hash(p) for _, _, p in train} \
-        | {prompt_hash(p) for _, p in sharegpt_heldout(seed)}
-    shuffled = _sharegpt_shuffled(seed)
-    out = []
-    for _, i, p in shuffled[:len(shuffled) - SHAREGPT_HELDOUT_POOL]:
+    seen, out = taken_prompt_hashes(train, seed), []
+    for i, p in unused_sharegpt(train, seed):
         h = prompt_hash(p)
-        if i in used_idx or not 12 <= len(p) <= SHAREGPT_MAX_CHARS or _CODE_HINT.search(p) or h in seen:
-            continue
-        seen.add(h)
-        out.append(("sharegpt-chat", i, p))
+        if not _CODE_HINT.search(p) and h not in seen:
+            seen.add(h)
+            out.append(("sharegpt-chat", i, p))
     return out
+
+
+def unused_sharegpt(mix: list[tuple[str, int, str]], seed: int = 0) -> list[tuple[int, str]]:
+    """(index in ShareGPT, first human turn) of 12 to SHAREGPT_MAX_CHARS characters at the positions of the
+    seeded shuffle that `mix` (training_mix(seed)) never uses, before the held-out pool: what the extra
+    prompt sets (code_mix, chat_mix) draw from."""
+    used_idx = {i for src, i, _ in mix if src == "sharegpt"}
+    shuffled = _sharegpt_shuffled(seed)
+    return [(i, p) for _, i, p in shuffled[:len(shuffled) - SHAREGPT_HELDOUT_POOL]
+            if i not in used_idx and 12 <= len(p) <= SHAREGPT_MAX_CHARS]
+
+
+def taken_prompt_hashes(mix: list[tuple[str, int, str]], seed: int = 0) -> set[str]:
+    """Hashes an extra prompt set must avoid: every benchmark prompt, every prompt of `mix`
+    (training_mix(seed)) and of the ShareGPT held-out slice (ShareGPT repeats prompts at other positions)."""
+    return benchmark_prompt_hashes() | {prompt_hash(p) for _, _, p in mix} \
+        | {prompt_hash(p) for _, p in sharegpt_heldout(seed)}
 
 
 CALIBRATION_SETS = ("math", "code", "chat")
