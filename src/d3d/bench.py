@@ -29,6 +29,7 @@ from tqdm import tqdm
 from .data import atomic_write_bytes
 from .engine import GenerationResult, validate_request
 from .errors import D3DError
+from .kernels import runtime_info
 from .prompts import BenchItem, MultiTurn, encode_prompt, first_turn
 from .registry import Runner
 from .verify import SamplingParams
@@ -59,16 +60,6 @@ def read_prompts_file(path: str | Path) -> list[str]:
     return prompts
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def git_commit() -> tuple[str | None, bool | None]:
     """(HEAD commit, whether tracked files differ from it) of the checkout d3d runs from; None if none."""
     here = Path(__file__).resolve().parent
@@ -87,9 +78,11 @@ def git_commit() -> tuple[str | None, bool | None]:
     return commit, dirty
 
 
-def machine_info(device: str) -> dict:
+def machine_info(device: str, quantize: str | None = None) -> dict:
+    """Where a result was measured: the CPU and the kernel path it ran on (d3d.kernels.runtime_info), the
+    torch build, the threads and the commit."""
     commit, dirty = git_commit()
-    info = {"cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
+    info = {**runtime_info(quantize is not None), "cores": os.cpu_count(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "device": device, "python": platform.python_version(),
             "git_commit": commit, "git_dirty": dirty}
     if device.startswith("cuda") and torch.cuda.is_available():

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import torch
 
+from .kernels import runtime_info
 from .methods import BEST_METHOD, make_runner
 from .prompts import encode_prompt
 from .verify import SamplingParams
@@ -24,8 +25,10 @@ def run_demo(model, tokenizer, model_dir: Path, max_new_tokens: int, method: str
     ar = make_runner("ar", model, tokenizer, model_dir)
     best = make_runner(method, model, tokenizer, model_dir)
     params = SamplingParams()
+    ran_on = runtime_info(getattr(model, "quantized", None) is not None)
     print(f"d3d demo: {method} vs plain autoregressive decoding (ar), greedy, "
-          f"{max_new_tokens} new tokens, {torch.get_num_threads()} CPU threads", flush=True)
+          f"{max_new_tokens} new tokens, {torch.get_num_threads()} CPU threads on {ran_on['cpu']} "
+          f"(kernels: {ran_on['kernels']})", flush=True)
     warm = encode_prompt(tokenizer, "Hello!")
     ar(warm, params=params, max_new_tokens=4)
     best(warm, params=params, max_new_tokens=4)

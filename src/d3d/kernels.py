@@ -18,6 +18,7 @@ version of int8_linear ran single-threaded (built without OpenMP, at::parallel_f
 from __future__ import annotations
 
 import hashlib
+import os
 import platform
 import warnings
 from functools import lru_cache
@@ -29,30 +30,75 @@ from .errors import D3DError
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "int8_linear.cpp", CSRC / "fp32_linear.cpp", CSRC / "layer.cpp"]
+HEADERS = sorted(CSRC.glob("*.h"))
 LANES = 16  # outputs per packed int8 block (one 512-bit register of int32 sums)
 FP32_GROUP = 64  # outputs per packed fp32 group (four 512-bit registers)
 
+# D3D_KERNELS: which vector path the C++ kernels are built for. "auto" (default): the best this CPU runs,
+# and the PyTorch layers for fp32 where that is only the plain loops (they are several times slower than
+# PyTorch's own kernels). A named path is built and used as asked (for tests and comparisons); "pytorch"
+# keeps the fp32 layers on PyTorch (--quantize int8 still needs the kernels, built for this CPU).
+PATH_CHOICES = ("auto", "avx512", "avx2", "neon", "scalar", "pytorch")
+_PATH_FLAGS = {"auto": [], "avx512": [], "neon": [], "pytorch": [],
+               "avx2": ["-mno-avx512f"],  # also drops every AVX-512 extension
+               "scalar": ["-DD3D_SCALAR"]}
 
-def _machine_tag() -> str:
-    """The build is for this CPU (-march=native): the cached library's name says which CPU that is."""
+
+def cpu_flags() -> set[str]:
     try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith(("flags", "Features")))
     except (OSError, StopIteration):
-        flags = platform.processor()
-    return hashlib.sha1(f"{platform.machine()} {flags} {torch.__version__}".encode()).hexdigest()[:10]
+        return set()
+    return set(line.split(":", 1)[1].split())
+
+
+def cpu_model() -> str:
+    """This CPU's name as the OS reports it (recorded beside every measurement: machines differ)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "Model name")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def requested_path() -> str:
+    """D3D_KERNELS, checked against what this CPU can run (a one-line error otherwise)."""
+    path = os.environ.get("D3D_KERNELS", "auto").strip().lower() or "auto"
+    if path not in PATH_CHOICES:
+        raise D3DError(f"D3D_KERNELS={path!r} is not a kernel path; choose one of {', '.join(PATH_CHOICES)}")
+    flags, arm = cpu_flags(), platform.machine() in ("aarch64", "arm64")
+    runnable = {"avx512": "avx512f" in flags, "avx2": {"avx2", "fma"} <= flags, "neon": arm}
+    if not runnable.get(path, True):
+        raise D3DError(f"D3D_KERNELS={path}: this CPU ({cpu_model()}) cannot run the {path} kernels")
+    return path
+
+
+def _build_tag() -> str:
+    """The build is for this CPU (-march=native) and these sources: the cached library's name says which
+    (torch rebuilds when a .cpp changes, not when only a header does)."""
+    flags = " ".join(sorted(cpu_flags())) or platform.processor()
+    digest = hashlib.sha1(f"{platform.machine()} {flags} {torch.__version__}".encode())
+    for header in HEADERS:
+        digest.update(header.read_bytes())
+    return digest.hexdigest()[:10]
 
 
 @lru_cache(maxsize=None)
 def load_kernels() -> None:
-    """Build (first use on this machine, about 15 s; cached by torch in ~/.cache/torch_extensions) and
-    load the operators, and register the fakes torch.compile needs."""
+    """Build (first use on this machine, about 15-40 s; cached by torch in ~/.cache/torch_extensions) and
+    load the operators for the path D3D_KERNELS asks for, and register the fakes torch.compile needs."""
     from torch.utils.cpp_extension import load
 
+    path = requested_path()
+    variant = "native" if path in ("auto", "pytorch") or not _PATH_FLAGS[path] else path
     try:
-        load(name=f"d3d_kernels_{_machine_tag()}", sources=[str(s) for s in SOURCES], extra_include_paths=[str(CSRC)],
-             is_python_module=False,
-             extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
-             verbose=False)
+        load(name=f"d3d_kernels_{_build_tag()}_{variant}", sources=[str(s) for s in SOURCES],
+             extra_include_paths=[str(CSRC)], is_python_module=False,
+             extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", *_PATH_FLAGS[path]],
+             extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # a failed build surfaces as many error types (compiler missing, ninja, linker)
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise D3DError(f"d3d builds small C++ kernels for the CPU and needs a C++ compiler and ninja: {msg}") from None
@@ -60,6 +106,41 @@ def load_kernels() -> None:
     @torch.library.register_fake("d3d::int8_linear")
     def _(x, w, w_sum, w_scale, smooth, bias):
         return x.new_empty((*x.shape[:-1], w_scale.shape[0]))
+
+
+@lru_cache(maxsize=None)
+def kernels_available() -> bool:
+    """Whether the fp32 runtime runs on the C++ layers here: they built, and they have a vector path for
+    this CPU (or one was forced with D3D_KERNELS). Otherwise it stays on PyTorch; --quantize int8 uses the
+    kernels whatever path they have (exact integer sums on every path)."""
+    try:
+        path = requested_path()
+        if path == "pytorch":
+            return False
+        load_kernels()
+    except D3DError as e:
+        warnings.warn(f"{str(e).rstrip('.')}; the fp32 runtime stays on PyTorch (slower)", stacklevel=2)
+        return False
+    return path != "auto" or torch.ops.d3d.kernel_path() != "scalar"
+
+
+def built_path() -> str | None:
+    """The vector path of the loaded kernels ("avx512", "avx2", "neon", "scalar"), None where they did not build."""
+    try:
+        load_kernels()
+    except D3DError:
+        return None
+    return torch.ops.d3d.kernel_path()
+
+
+def kernel_path() -> str:
+    """What the fp32 layers run on here: a vector path of the C++ kernels, or "pytorch"."""
+    return built_path() if kernels_available() else "pytorch"
+
+
+def runtime_info(quantized: bool = False) -> dict:
+    """The CPU and the kernel path, recorded with every result (`d3d generate --json`, bench, report)."""
+    return {"cpu": cpu_model(), "kernels": (built_path() or "none") if quantized else kernel_path()}
 
 
 def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -73,18 +154,6 @@ def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     padded[:N, :K] = q
     packed = padded.view(Np // LANES, LANES, Kp // 4, 4).permute(0, 2, 1, 3).contiguous()
     return packed, q.sum(dim=1, dtype=torch.int32), scale.float()
-
-
-@lru_cache(maxsize=None)
-def kernels_available() -> bool:
-    """Whether the operators could be built and loaded here (the fp32 runtime falls back to PyTorch
-    without them; --quantize int8 needs them)."""
-    try:
-        load_kernels()
-    except D3DError as e:
-        warnings.warn(f"{str(e).rstrip('.')}; the fp32 runtime stays on PyTorch (slower)", stacklevel=2)
-        return False
-    return True
 
 
 def pack_fp32(weight: torch.Tensor) -> torch.Tensor | None:

@@ -111,7 +111,8 @@ def _describe(report: dict) -> list[str]:
     if mach:
         commit = mach.get("git_commit")
         commit = (commit[:10] + (" (modified)" if mach.get("git_dirty") else "")) if commit else "unknown"
-        out.append(f"Machine: {mach.get('gpu') or mach.get('cpu')}, {mach.get('threads')} threads, "
+        kernels = f" (kernels: {mach['kernels']})" if mach.get("kernels") and not mach.get("gpu") else ""
+        out.append(f"Machine: {mach.get('gpu') or mach.get('cpu')}{kernels}, {mach.get('threads')} threads, "
                    f"device {mach.get('device')}, torch {mach.get('torch')}, d3d commit {commit}.")
     return out
 

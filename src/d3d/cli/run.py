@@ -40,8 +40,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
         output_folder(args.trace, "--trace")
 
     check_quantize_drafter(args.quantize_drafter, methods)
+    drafter = drafter_for(method, args)
     model, tok, model_dir = open_target(args.target, args.device, args.quantize, args.compile)
-    runner = make_runner(method, model, tok, model_dir, drafter=drafter_for(method, args), block_size=args.block_size,
+    runner = make_runner(method, model, tok, model_dir, drafter=drafter, block_size=args.block_size,
                          draft_device=args.draft_device, quantize_drafter=args.quantize_drafter, **options)
     extra = {"trace": []} if args.trace else {}
     res = runner(encode_prompt(tok, args.prompt, args.raw), params=params, max_new_tokens=args.max_new_tokens,
@@ -54,7 +55,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
         plot_timeline(extra["trace"], Path(args.trace).with_suffix(".png"))
         print(f"wrote {args.trace} and {Path(args.trace).with_suffix('.png')}", file=sys.stderr)
     if args.json:
-        print(json.dumps({"method": method, **res.to_json()}))
+        from ..kernels import runtime_info
+
+        ran_on = runtime_info(args.quantize is not None) if args.device == "cpu" else {}
+        print(json.dumps({"method": method, **res.to_json(), **ran_on}))
         return
     print(res.text)
     print(f"[{method}] {res.new_tokens} new tokens, tau {res.tau:.2f}, {res.tokens_per_s:.1f} tokens/s",
@@ -157,7 +161,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     report = run_bench(model, tok, runners, prompts, params, args.max_new_tokens, raw=args.raw,
                        save_outputs=args.save_outputs, block_size=args.block_size, journal=journal,
                        header={**settings, "device": args.device, "threads": num_threads()})
-    report = {"machine": machine_info(args.device), "command": "d3d " + shlex.join(args.argv),
+    report = {"machine": machine_info(args.device, args.quantize), "command": "d3d " + shlex.join(args.argv),
               "settings": settings, **({"cost_curve_s": curve} if curve else {}), **report}
     atomic_write_json(out, report)
     journal.unlink()
@@ -197,7 +201,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     check_drafter(args.drafter)
     check_address(args.host, args.port)
     options = method_options(args)
-    gen = load(args.target, args.method or BEST_METHOD, args.drafter, device=args.device, block_size=args.block_size,
+    method = args.method or BEST_METHOD
+    gen = load(args.target, method, drafter_for(method, args), device=args.device, block_size=args.block_size,
                quantize=args.quantize, compile=args.compile, quantize_drafter=args.quantize_drafter, **options)
     key = args.api_key or os.environ.get("D3D_API_KEY") or None
     print(f"d3d serve: {gen.name} with method {gen.method} on http://{args.host}:{args.port} "

@@ -1,7 +1,9 @@
-// d3d's CPU operators (built by d3d/kernels.py): shared declarations.
+// d3d's CPU operators (built by d3d/kernels.py): the torch-facing declarations.
 #pragma once
 #include <ATen/ATen.h>
 #include <optional>
+
+#include "vec.h"
 
 namespace d3d {
 

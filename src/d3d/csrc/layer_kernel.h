@@ -1,0 +1,184 @@
+// The row-by-row parts of d3d::layer (layer.cpp): norms, rotary embedding, attention, SiLU. Every sum is
+// taken in a fixed order that does not depend on the other rows of the call or on the vector path, so a
+// row's result is bitwise the same in a decoding step, a verification pass or a token tree, on any CPU.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "vec.h"
+
+namespace d3d::rows {
+
+
+constexpr int64_t LANES = 16;  // partial sums of dot(): added pairwise at the end
+
+#ifdef D3D_VEC
+using d3d::Vec;
+constexpr int64_t LANE_REGS = LANES / Vec::W;  // registers that hold dot()'s 16 lane sums
+
+// The 16 lane sums added pairwise, in lane_sum's order: l + (l + 8), then + 4, + 2, + 1.
+inline float reduce16(const Vec::T* acc) {
+#if defined(D3D_AVX512)
+  const __m512 v = acc[0];
+  const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+#elif defined(D3D_AVX2)
+  const __m256 a = _mm256_add_ps(acc[0], acc[1]);
+#endif
+#if defined(D3D_AVX512) || defined(D3D_AVX2)
+  __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  b = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
+#else
+  float l[LANES];
+  for (int64_t r = 0; r < LANE_REGS; ++r) Vec::store(l + r * Vec::W, acc[r]);
+  for (int64_t w = LANES / 2; w > 0; w /= 2)
+    for (int64_t i = 0; i < w; ++i) l[i] += l[i + w];
+  return l[0];
+#endif
+}
+#endif
+
+// sum_i term(i) in 16 lane sums (term i goes to lane i % 16) reduced pairwise: a fixed order, so the
+// same in every call, which the compiler can vectorize without reassociating anything.
+template <typename Term>
+inline float lane_sum(int64_t n, Term term) {
+  float acc[LANES] = {0.f};
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int64_t l = 0; l < LANES; ++l) acc[l] += term(i + l);
+  for (int64_t l = 0; i < n; ++i, ++l) acc[l] += term(i);
+  for (int64_t w = LANES / 2; w > 0; w /= 2)
+    for (int64_t l = 0; l < w; ++l) acc[l] += acc[l + w];
+  return acc[0];
+}
+
+// sum_i a[i] * b[i] by lane_sum (the vector path computes exactly what lane_sum does).
+inline float dot(const float* a, const float* b, int64_t n) {
+#ifdef D3D_VEC
+  if (n % LANES == 0) {
+    Vec::T acc[LANE_REGS];
+    for (int64_t r = 0; r < LANE_REGS; ++r) acc[r] = Vec::zero();
+    for (int64_t i = 0; i < n; i += LANES)
+      for (int64_t r = 0; r < LANE_REGS; ++r)
+        acc[r] = Vec::add(acc[r], Vec::mul(Vec::load(a + i + r * Vec::W), Vec::load(b + i + r * Vec::W)));
+    return reduce16(acc);
+  }
+#endif
+  return lane_sum(n, [&](int64_t i) { return a[i] * b[i]; });
+}
+
+inline float sum(const float* a, int64_t n) {
+  return lane_sum(n, [&](int64_t i) { return a[i]; });
+}
+
+// e^x for x in [-87, 88] (clamped there, so results stay normal floats), to about 2 ulp: 2^k * p(r) with
+// k = round(x / ln 2) and a degree-6 polynomial on r = x - k ln 2. Plain arithmetic, no libm call, so a
+// loop over it vectorizes and every element gets the same result in any position.
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.f), 88.f);
+  const float k = (x * 1.44269504f + 12582912.f) - 12582912.f;  // round to nearest (|k| < 2^22)
+  const float r = (x - k * 0.693359375f) + k * 2.12194440e-4f;  // ln 2 in two parts
+  float p = 1.f / 720;
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (int32_t(k) + 127) * (1 << 23);  // 2^k
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+inline void rms_norm(const float* x, const float* w, int64_t n, float eps, float* out) {
+  const float r = 1.f / std::sqrt(dot(x, x, n) / float(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * r * w[i];
+}
+
+// HF's rotate-half rotary embedding of one head vector v[D] in place.
+inline void rope(float* v, const float* cos, const float* sin, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t j = 0; j < half; ++j) {
+    const float x1 = v[j], x2 = v[j + half];
+    v[j] = x1 * cos[j] - x2 * sin[j];
+    v[j + half] = x2 * cos[j] + x1 * sin[j];
+  }
+}
+
+// out[D] = sum over the visible keys in turn (keys[t], or t itself without a key list) of scores[t] * v[D]:
+// per element the same additions in the same order on every path. The vector path holds R registers of
+// sums at a time (a chunk of R * W elements of out) over all the keys, chunk after chunk.
+template <int64_t R>
+inline void weighted_sum(const float* scores, const int64_t* keys, int64_t n, const float* vc, int64_t D,
+                         float* out) {
+#ifdef D3D_VEC
+  if constexpr (R > 0) {
+    for (int64_t c0 = 0; c0 < D; c0 += R * Vec::W) {
+      Vec::T acc[R];
+      for (int64_t c = 0; c < R; ++c) acc[c] = Vec::zero();
+      for (int64_t t = 0; t < n; ++t) {
+        const float* v = vc + (keys ? keys[t] : t) * D + c0;
+        const Vec::T s = Vec::set1(scores[t]);
+        for (int64_t c = 0; c < R; ++c) acc[c] = Vec::add(acc[c], Vec::mul(s, Vec::load(v + c * Vec::W)));
+      }
+      for (int64_t c = 0; c < R; ++c) Vec::store(out + c0 + c * Vec::W, acc[c]);
+    }
+    return;
+  }
+#endif
+  std::fill(out, out + D, 0.f);
+  for (int64_t t = 0; t < n; ++t) {
+    const float* v = vc + (keys ? keys[t] : t) * D;
+    for (int64_t d = 0; d < D; ++d) out[d] += scores[t] * v[d];
+  }
+}
+
+// weighted_sum over chunks of 128 elements where 128 / W registers fit beside the rest (AVX-512), else of 64
+// (8 of AVX2's 16 registers, 16 of NEON's 32).
+inline void weighted_sum_any(const float* scores, const int64_t* keys, int64_t n, const float* vc, int64_t D,
+                             float* out) {
+#ifdef D3D_VEC
+  if constexpr (Vec::W == 16) {
+    if (D % 128 == 0) return weighted_sum<128 / Vec::W>(scores, keys, n, vc, D, out);
+  }
+  if (D % 64 == 0) return weighted_sum<64 / Vec::W>(scores, keys, n, vc, D, out);
+#endif
+  weighted_sum<0>(scores, keys, n, vc, D, out);
+}
+
+// Attention of one query row and head over the keys it may see, in cache order: with a mask row, those
+// it marks; else the causal prefix 0..n_keys - 1. out[D] = softmax(q.k / sqrt(D)) . v.
+inline void attend_row(const float* q, const float* kc, const float* vc, const bool* mask_row, int64_t n_keys,
+                int64_t D, float* scores, int64_t* keys, float* out) {
+  int64_t n = n_keys;
+  if (mask_row) {
+    n = 0;
+    for (int64_t j = 0; j < n_keys; ++j)
+      if (mask_row[j]) keys[n++] = j;
+  } else {
+    keys = nullptr;
+  }
+  const float scale = 1.f / std::sqrt(float(D));
+  float peak = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < n; ++t) {
+    scores[t] = dot(q, kc + (keys ? keys[t] : t) * D, D) * scale;
+    peak = std::max(peak, scores[t]);
+  }
+  for (int64_t t = 0; t < n; ++t) scores[t] = exp_approx(scores[t] - peak);
+  const float total = sum(scores, n);
+  weighted_sum_any(scores, keys, n, vc, D, out);
+  const float inv = n ? 1.f / total : 0.f;
+  for (int64_t d = 0; d < D; ++d) out[d] *= inv;
+}
+
+// a[j] = SiLU(gate[j]) * up[j] for j < n.
+inline void silu_mul(const float* gate, const float* up, int64_t n, float* a) {
+  for (int64_t j = 0; j < n; ++j) a[j] = gate[j] / (1.f + exp_approx(-gate[j])) * up[j];
+}
+
+}  // namespace d3d::rows

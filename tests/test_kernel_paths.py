@@ -1,0 +1,83 @@
+"""Every vector path of the C++ kernels gives bitwise the plain loops' results, and a CPU with a vector
+path never runs the plain loops (tests/kernel_outputs.py computes the outputs, one process per path)."""
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from d3d.kernels import cpu_flags, kernel_path, requested_path
+
+SCRIPT = Path(__file__).with_name("kernel_outputs.py")
+
+
+def runnable_paths() -> list[str]:
+    flags, paths = cpu_flags(), []
+    if "avx512f" in flags:
+        paths.append("avx512")
+    if {"avx2", "fma"} <= flags:
+        paths.append("avx2")
+    if platform.machine() in ("aarch64", "arm64"):
+        paths.append("neon")
+    return paths
+
+
+def outputs(path: str, tmp_path: Path) -> dict:
+    out = tmp_path / f"{path}.pt"
+    env = {**os.environ, "D3D_KERNELS": path}
+    subprocess.run([sys.executable, str(SCRIPT), str(out)], env=env, check=True, timeout=600)
+    return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def by_path(tmp_path_factory) -> dict[str, dict]:
+    """Each path's outputs: the plain loops and every vector path this CPU runs (one build each)."""
+    folder = tmp_path_factory.mktemp("kernel_paths")
+    return {path: outputs(path, folder) for path in ("scalar", *runnable_paths())}
+
+
+def test_each_build_runs_the_path_it_was_built_for(by_path):
+    assert {path: got["path"] for path, got in by_path.items()} == {path: path for path in by_path}
+
+
+@pytest.mark.parametrize("path", runnable_paths())
+def test_each_vector_path_equals_the_plain_loops_bit_for_bit(path, by_path):
+    got, scalar = by_path[path], by_path["scalar"]
+    assert got["tensors"].keys() == scalar["tensors"].keys()
+    differ = [k for k, t in scalar["tensors"].items() if not torch.equal(got["tensors"][k], t)]
+    assert not differ, f"{path} differs from the plain loops in: {differ}"
+
+
+@pytest.mark.parametrize("path", ["scalar", *runnable_paths()])
+def test_verification_and_tree_rows_equal_decoding_steps_on_each_path(path, by_path):
+    t = by_path[path]["tensors"]
+    for model in ("D=64 fp32", "D=64 int8", "D=128 fp32", "D=128 int8"):
+        steps, tree = t[f"layers {model} steps"], t[f"layers {model} tree"]
+        assert torch.equal(t[f"layers {model} verify"], steps), model
+        assert torch.equal(tree[[0, 1]], steps[[0, 1]]), model
+        assert torch.equal(tree[[0, 2, 3]], t[f"layers {model} branch a c d"]), model
+
+
+def test_a_cpu_with_a_vector_path_never_runs_the_plain_loops():
+    if requested_path() != "auto":
+        pytest.skip("D3D_KERNELS forces a path")
+    paths = runnable_paths()
+    expected = paths[0] if paths else "pytorch"  # no vector path: the fp32 layers stay on PyTorch
+    assert kernel_path() == expected, f"this CPU ({platform.processor()}) runs {kernel_path()}, not {expected}"
+
+
+def test_an_unknown_or_unrunnable_path_is_a_one_line_error(monkeypatch):
+    from d3d.errors import D3DError
+
+    monkeypatch.setenv("D3D_KERNELS", "sse9")
+    with pytest.raises(D3DError, match="not a kernel path"):
+        requested_path()
+    missing = next((p for p in ("avx512", "avx2", "neon") if p not in runnable_paths()), None)
+    monkeypatch.setenv("D3D_KERNELS", missing)
+    with pytest.raises(D3DError, match="cannot run"):
+        requested_path()
