@@ -81,3 +81,50 @@ def test_an_unknown_or_unrunnable_path_is_a_one_line_error(monkeypatch):
     monkeypatch.setenv("D3D_KERNELS", missing)
     with pytest.raises(D3DError, match="cannot run"):
         requested_path()
+
+
+HARNESS = Path(__file__).with_name("kernel_harness.cpp")
+CSRC = Path(__file__).parents[1] / "src" / "d3d" / "csrc"
+FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", f"-I{CSRC}"]  # as d3d.kernels builds them
+NATIVE_FLAGS = {"scalar": ["-march=native", "-DD3D_SCALAR"], "avx512": ["-march=native"],
+                "avx2": ["-march=native", "-mno-avx512f"], "neon": ["-march=native"]}
+# aarch64 builds run under qemu: NEON with and without the dot-product extension (int8 sdot or plain loops)
+CROSS = {"neon+dotprod": ["-march=armv8.2-a+dotprod"], "neon": ["-march=armv8-a"],
+         "scalar": ["-march=armv8-a", "-DD3D_SCALAR"]}
+
+
+def harness_lines(compiler: str, flags: list[str], out: Path, runner: list[str] = ()) -> list[str]:
+    subprocess.run([compiler, *FLAGS, *flags, str(HARNESS), "-o", str(out)], check=True, timeout=300)
+    return subprocess.run([*runner, str(out)], check=True, capture_output=True, text=True, timeout=300).stdout.splitlines()
+
+
+@pytest.fixture(scope="module")
+def reference_lines(tmp_path_factory) -> list[str]:
+    lines = harness_lines("g++", NATIVE_FLAGS["scalar"], tmp_path_factory.mktemp("harness") / "scalar")
+    assert lines[0] == "path scalar" and len(lines) > 20
+    return lines[1:]
+
+
+@pytest.mark.parametrize("path", runnable_paths())
+def test_the_kernel_loops_give_the_plain_loops_bits_without_torch(path, reference_lines, tmp_path):
+    lines = harness_lines("g++", NATIVE_FLAGS[path], tmp_path / path)
+    assert lines[0] == f"path {path}"
+    assert lines[1:] == reference_lines
+
+
+@pytest.mark.parametrize("build", CROSS)
+def test_aarch64_builds_give_the_same_bits_under_qemu(build, reference_lines, tmp_path):
+    """The NEON path (and aarch64's plain loops) cross-built and run under qemu-user: the same lines as
+    this machine's plain loops, since the kernels use only IEEE-exact operations. .ci/run installs the
+    cross compiler and qemu (Debian's g++-aarch64-linux-gnu and qemu-user)."""
+    import shutil
+
+    if platform.machine() in ("aarch64", "arm64"):
+        pytest.skip("this machine is aarch64: the native paths above cover it")
+    missing = [tool for tool in ("aarch64-linux-gnu-g++", "qemu-aarch64") if not shutil.which(tool)]
+    if missing and not os.environ.get("CI"):
+        pytest.skip(f"needs {' and '.join(missing)} (apt-get install g++-aarch64-linux-gnu qemu-user)")
+    lines = harness_lines("aarch64-linux-gnu-g++", [*CROSS[build], "-static"], tmp_path / "harness",
+                          runner=["qemu-aarch64", "-cpu", "max"])
+    assert lines[0] == f"path {build.split('+')[0]}"
+    assert lines[1:] == reference_lines

@@ -13,7 +13,12 @@
 
 namespace d3d::fp32 {
 
-constexpr int64_t GROUP = 64, MBLOCK = 4;  // outputs per packed group; rows per tile at most
+constexpr int64_t GROUP = 64;  // outputs per packed group
+#if defined(D3D_AVX2)
+constexpr int64_t MBLOCK = 6;  // rows per tile at most: 6 rows x 16 outputs keep 12 FMA chains in 16 registers
+#else
+constexpr int64_t MBLOCK = 4;
+#endif
 
 #ifdef D3D_VEC
 using d3d::Vec;
@@ -30,26 +35,31 @@ constexpr int64_t sub_vectors() {
 }
 #endif
 
-// Rows m0 .. m0 + mb - 1 times outputs 64 g .. 64 g + 63: each output's sum over k in order by fused
-// multiply-adds from zero, then + bias. The vector paths cover the 64 outputs in sub-tiles of nv registers.
+// Rows m0 .. m0 + mb - 1 times outputs 64 g .. 64 g + 63, over k0 <= k < k1: each output's sum over k in
+// order by fused multiply-adds, from zero (k0 = 0) or from the partial sum a previous call left in y, and
+// + bias once k1 = K. The vector paths cover the 64 outputs in sub-tiles of nv registers.
 // pf: `lines` cache lines to prefetch while the tile computes (from the next group's weights), spread
 // evenly over its k steps.
 template <int64_t mb, bool prefetch>
 inline void tile(const float* x, int64_t K, const float* w, int64_t g, int64_t N, int64_t m0, const float* bias,
-                 float* y, const char* pf, int64_t lines) {
+                 float* y, int64_t k0, int64_t k1, const char* pf, int64_t lines) {
   const float* wg = w + g * K * GROUP;
+  const bool last = k1 == K;
 #ifdef D3D_VEC
   constexpr int64_t nv = sub_vectors<mb>(), width = nv * Vec::W, subs = GROUP / width;
-  const int64_t per_k = (lines + subs * K - 1) / (subs * K);
+  const int64_t steps = subs * (k1 - k0), per_k = (lines + steps - 1) / steps;
   for (int64_t s = 0; s < subs; ++s) {
     const int64_t o = s * width;
     Vec::T acc[mb][nv];
     for (int64_t i = 0; i < mb; ++i)
-      for (int64_t j = 0; j < nv; ++j) acc[i][j] = Vec::zero();
-    for (int64_t k = 0; k < K; ++k) {
-      if constexpr (prefetch)
-        for (int64_t p = (s * K + k) * per_k; p < std::min(lines, (s * K + k + 1) * per_k); ++p)
+      for (int64_t j = 0; j < nv; ++j)
+        acc[i][j] = k0 ? Vec::load(y + (m0 + i) * N + g * GROUP + o + j * Vec::W) : Vec::zero();
+    for (int64_t k = k0; k < k1; ++k) {
+      if constexpr (prefetch) {
+        const int64_t step = s * (k1 - k0) + k - k0;
+        for (int64_t p = step * per_k; p < std::min(lines, (step + 1) * per_k); ++p)
           __builtin_prefetch(pf + p * 64, 0, 3);
+      }
       Vec::T wv[nv];
       for (int64_t j = 0; j < nv; ++j) wv[j] = Vec::load(wg + k * GROUP + o + j * Vec::W);
       for (int64_t i = 0; i < mb; ++i) {
@@ -60,45 +70,59 @@ inline void tile(const float* x, int64_t K, const float* w, int64_t g, int64_t N
     for (int64_t i = 0; i < mb; ++i)
       for (int64_t j = 0; j < nv; ++j) {
         Vec::T v = acc[i][j];
-        if (bias) v = Vec::add(v, Vec::load(bias + g * GROUP + o + j * Vec::W));
+        if (bias && last) v = Vec::add(v, Vec::load(bias + g * GROUP + o + j * Vec::W));
         Vec::store(y + (m0 + i) * N + g * GROUP + o + j * Vec::W, v);
       }
   }
 #else
   for (int64_t i = 0; i < mb; ++i)
     for (int64_t l = 0; l < GROUP; ++l) {
-      float s = 0.f;
-      for (int64_t k = 0; k < K; ++k) s = std::fma(x[(m0 + i) * K + k], wg[k * GROUP + l], s);
-      y[(m0 + i) * N + g * GROUP + l] = bias ? s + bias[g * GROUP + l] : s;
+      float* out = y + (m0 + i) * N + g * GROUP + l;
+      float s = k0 ? *out : 0.f;
+      for (int64_t k = k0; k < k1; ++k) s = std::fma(x[(m0 + i) * K + k], wg[k * GROUP + l], s);
+      *out = bias && last ? s + bias[g * GROUP + l] : s;
     }
 #endif
 }
 
+// tile<mb> for a row count known only at run time (1 .. MBLOCK).
+template <bool prefetch, int64_t mb = MBLOCK, typename... Args>
+inline void tile_rows(int64_t rows, Args... args) {
+  if constexpr (mb > 1)
+    if (rows < mb) return tile_rows<prefetch, mb - 1>(rows, args...);
+  tile<mb, prefetch>(args...);
+}
+
+// k steps per pass over a group when several rows share it. AVX-512 covers a group's 64 outputs in one
+// sub-tile, so each row block streams the weights once: whole k. Narrower registers need several sub-tiles
+// per row block, which would read the group once each; in passes of KCHUNK steps (16 KB of weights) all
+// of them read the chunk from L1 instead (measured on AVX2: see kernels.py).
+#if defined(D3D_VEC) && !defined(D3D_AVX512)
+constexpr int64_t KCHUNK = 64;
+#else
+constexpr int64_t KCHUNK = 64;  // whole k
+#endif
+
 // Groups g0 .. g1 - 1 (64 outputs each) of y [M, 64 G] = x [M, K] times the packed weights (+ bias): one
-// thread's share. With several row blocks a group's weights are read once from memory and then again
-// from cache; the next group's weights are prefetched meanwhile, spread over all the passes, so that
-// memory keeps streaming while the later passes compute (a one-pass call is left to the hardware
-// prefetcher).
+// thread's share. With several passes over a group (row blocks, k chunks) its weights are read once from
+// memory and then again from cache; the next group's weights are prefetched meanwhile, spread over all
+// the passes, so that memory keeps streaming while the later passes compute (a one-pass call is left to
+// the hardware prefetcher).
 inline void groups(const float* xp, int64_t M, int64_t K, const float* wp, int64_t G, const float* bp, float* yp,
                    int64_t g0, int64_t g1) {
-  const int64_t N = G * GROUP, passes = (M + MBLOCK - 1) / MBLOCK, group_lines = K * GROUP * 4 / 64;
+  const int64_t N = G * GROUP, blocks = (M + MBLOCK - 1) / MBLOCK, group_lines = K * GROUP * 4 / 64;
+  const int64_t kc = KCHUNK && M > 1 ? KCHUNK : K, passes = blocks * ((K + kc - 1) / kc);
   const int64_t chunk = passes > 1 ? (group_lines + passes - 1) / passes : 0;
   for (int64_t g = g0; g < g1; ++g)
-    for (int64_t m0 = 0, pass = 0; m0 < M; m0 += MBLOCK, ++pass) {
-      const int64_t first = pass * chunk;
-      const int64_t lines = g + 1 < g1 ? std::max<int64_t>(0, std::min(chunk, group_lines - first)) : 0;
-      const char* pf = reinterpret_cast<const char*>(wp + (g + 1) * K * GROUP) + first * 64;
-      switch (std::min(MBLOCK, M - m0) + (lines ? MBLOCK : 0)) {
-        case 1: tile<1, false>(xp, K, wp, g, N, m0, bp, yp, pf, lines); break;
-        case 2: tile<2, false>(xp, K, wp, g, N, m0, bp, yp, pf, lines); break;
-        case 3: tile<3, false>(xp, K, wp, g, N, m0, bp, yp, pf, lines); break;
-        case 4: tile<4, false>(xp, K, wp, g, N, m0, bp, yp, pf, lines); break;
-        case 5: tile<1, true>(xp, K, wp, g, N, m0, bp, yp, pf, lines); break;
-        case 6: tile<2, true>(xp, K, wp, g, N, m0, bp, yp, pf, lines); break;
-        case 7: tile<3, true>(xp, K, wp, g, N, m0, bp, yp, pf, lines); break;
-        default: tile<4, true>(xp, K, wp, g, N, m0, bp, yp, pf, lines);
+    for (int64_t k0 = 0, pass = 0; k0 < K; k0 += kc)
+      for (int64_t m0 = 0; m0 < M; m0 += MBLOCK, ++pass) {
+        const int64_t k1 = std::min(K, k0 + kc), first = pass * chunk;
+        const int64_t lines = g + 1 < g1 ? std::max<int64_t>(0, std::min(chunk, group_lines - first)) : 0;
+        const char* pf = reinterpret_cast<const char*>(wp + (g + 1) * K * GROUP) + first * 64;
+        const int64_t mb = std::min(MBLOCK, M - m0);
+        if (lines) tile_rows<true>(mb, xp, K, wp, g, N, m0, bp, yp, k0, k1, pf, lines);
+        else tile_rows<false>(mb, xp, K, wp, g, N, m0, bp, yp, k0, k1, pf, lines);
       }
-    }
 }
 
 }  // namespace d3d::fp32
