@@ -2,13 +2,14 @@
 
 - torch.ops.d3d.int8_linear(x, packed, w_sum, w_scale, smooth, bias) (`--quantize int8`) quantizes each
   input row on its own (symmetric int8 of x * smooth) and multiplies it with per-row int8 weights packed
-  for AVX512-VNNI (`vpdpbusd`: 16 outputs per instruction), or with plain loops on CPUs without it: the
-  integer sums are exact, so both give the same numbers.
+  [N/16, K/4, 16, 4] (AVX512-VNNI `vpdpbusd`: 16 outputs per instruction; AVX2 `vpmaddubsw`; NEON `sdot`;
+  or plain loops): the integer sums are exact, so every path gives the same numbers.
 - torch.ops.d3d.fp32_linear(x, packed, bias): fp32 products, each sum over k in order by fused
   multiply-adds, on weights packed [N/64, K, 64] (pack_fp32).
 - torch.ops.d3d.layer(x, params, k_cache, v_cache, inv_freq, positions, mask, start, n_heads, eps): a
   whole decoder layer of one sequence (csrc/layer.cpp) over either kind of weights (layer_params).
 
+Each is built for one vector path (D3D_KERNELS below; csrc/vec.h), and every path gives the same bits.
 In all three a row's result is bitwise the same whatever else is in the call, so a verification pass or
 a token tree computes exactly what one-token decoding steps compute, and one call per layer replaces
 the ~25 small torch ops (and their Python) of a layer. Measured on this 2-core CPU at 2 threads
