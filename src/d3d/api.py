@@ -16,7 +16,7 @@ from .engine import GenerationResult, LogprobRecorder, validate_request
 from .errors import D3DError
 from .loading import load_target
 from .methods import BEST_METHOD, check_quantize_drafter, make_runner, parse_methods
-from .registry import check_method_options
+from .registry import check_method_options, get
 from .prompts import encode_prompt
 from .verify import SamplingParams
 
@@ -123,18 +123,20 @@ class Generator:
 def load(target: str | None = None, method: str = BEST_METHOD, drafter: str | None = None,
          threads: int | None = None, device: str = "cpu", block_size: int = 16,
          quantize: str | None = None, compile: bool = False, quantize_drafter: str | None = None,
-         tree_budget: int | None = None, datastore: str | None = None, ar_draft_k: int | None = None) -> Generator:
+         tree_budget: int | None = None, datastore: str | None = None, ar_draft_k: int | None = None,
+         draft_k: int | None = None) -> Generator:
     """Load a target and a decoding method; returns a Generator (see Generator.generate).
 
     target: a Hugging Face model folder or .gguf file (None = the embedded SmolLM2-135M-Instruct);
     method: a registered method name (d3d.registry; default: BEST_METHOD); drafter: checkpoint for drafter-based
-    methods (None = the one shipped for the target); threads: torch CPU threads (None = leave torch's
+    methods (None = the one shipped for the target), for draft-model the draft model (a known name, a HF
+    folder or a .gguf file with the target's tokenizer); threads: torch CPU threads (None = leave torch's
     setting alone; it is process-wide); quantize: None (fp32) or "int8" (target and drafter);
     compile: compile the target's forward passes (fastpath.compile_decode; fp32 CPU; 1-2 minutes);
     quantize_drafter: "int8" for an int8 drafter whatever the target's precision (the output is the
-    target's either way; None: the drafter follows `quantize`); tree_budget, datastore, ar_draft_k: the
-    methods' options, as `--tree-budget`, `--datastore PATH|none` and `--ar-draft-k` (None: fitted to this
-    device; the shipped datastore; adaptive)."""
+    target's either way; None: the drafter follows `quantize`); tree_budget, datastore, ar_draft_k, draft_k:
+    the methods' options, as `--tree-budget`, `--datastore PATH|none`, `--ar-draft-k` and `--draft-k` (None:
+    fitted to this device; the shipped datastore; adaptive)."""
     methods = parse_methods(method)
     if len(methods) != 1:
         raise D3DError("load takes exactly one method")
@@ -142,9 +144,9 @@ def load(target: str | None = None, method: str = BEST_METHOD, drafter: str | No
         if threads < 1:
             raise D3DError(f"threads must be >= 1 (got {threads})")
         torch.set_num_threads(threads)
-    if drafter is not None and not Path(drafter).expanduser().exists():
-        raise D3DError(f"drafter path does not exist: {drafter}")
-    options = check_method_options({"tree_budget": tree_budget, "ar_draft_k": ar_draft_k, "datastore": datastore})
+    get(methods[0]).check_drafter(drafter)
+    options = check_method_options({"tree_budget": tree_budget, "ar_draft_k": ar_draft_k, "draft_k": draft_k,
+                                    "datastore": datastore})
     check_quantize_drafter(quantize_drafter, methods)
     model, tok, model_dir = load_target(target, device, quantize=quantize, compile=compile)
     runner = make_runner(methods[0], model, tok, model_dir, drafter=drafter, block_size=block_size,

@@ -7,7 +7,8 @@ from pathlib import Path
 from .errors import D3DError
 from .registry import DEFAULT_DRAFTERS, REGISTRY, Runner, Setup, default_drafter, get  # noqa: F401 (re-exported)
 
-for _module in ("engine", "ngram", "proposer", "async_engine", "tree", "ardraft", "dflash", "hf", "llamacpp"):
+for _module in ("engine", "ngram", "proposer", "async_engine", "tree", "ardraft", "draftmodel", "dflash", "hf",
+                "llamacpp"):
     importlib.import_module(f".{_module}", __package__)  # each registers its method(s) on import
 
 BEST_METHOD = "lookup-tree"  # what `d3d demo` and `d3d serve` use by default (README: Results)
@@ -28,11 +29,12 @@ def make_runner(method: str, model, tokenizer, model_dir: Path, drafter: str | P
 
 
 def drafter_path(method: str, model_dir: Path, drafter: str | Path | None = None) -> Path | None:
-    """The checkpoint `method` drafts with: `drafter` if given, else the one shipped for the target; None
-    for methods without a learned drafter."""
+    """The checkpoint `method` drafts with: `drafter` if given (checked to exist), else the one shipped for
+    the target (an error for a method that ships none); None for methods without a drafter."""
     m = get(method)
     if m.drafter_kind is None:
         return None
+    m.check_drafter(drafter or None)
     return Path(drafter) if drafter else default_drafter(model_dir, m.drafter_suffix)
 
 

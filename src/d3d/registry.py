@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import D3DError
+from .known_models import KNOWN_MODELS
 
 DEFAULT_DRAFTERS = Path(__file__).parent / "assets" / "drafters"
 
@@ -25,7 +26,7 @@ DEFAULT_DRAFTERS = Path(__file__).parent / "assets" / "drafters"
 BUILTIN: dict[str, str | None] = {
     "ar": None, "ngram": None, "d3d": "drafter", "d3d-async": "drafter", "d3d-tree": "drafter", "lookup-tree": None,
     "ar-draft": "ar-drafter", "dflash": "dflash-drafter", "hf": None, "hf-lookup": None,
-    "llama-cpp": None, "llama-cpp-q8": None,
+    "llama-cpp": None, "llama-cpp-q8": None, "draft-model": "draft-model",
 }
 
 
@@ -80,15 +81,29 @@ class Method:
     name: str
     build: Callable[[Setup], Callable]
     help: str = ""
-    drafter_kind: str | None = None  # the learned drafter it loads ("d3d", "dflash", "ar"); None: none
+    drafter_kind: str | None = None  # the learned drafter it loads ("d3d", "dflash", "ar"), "model" for a
+    #                                  whole pretrained model (draft-model); None: none
     drafter_suffix: str = ""         # its shipped checkpoint: assets/drafters/<target name><suffix>
     drafter_option: str = "drafter"  # the CLI option that names another checkpoint for it
+    drafter_required: str = ""       # none is shipped: what its option must name (said by check_drafter)
     retrieves: bool = False          # reads the datastore option (`d3d bench --datastores` runs it per datastore)
 
     @property
     def option(self) -> str | None:
         """The CLI option naming its drafter checkpoint; None without a learned drafter."""
         return self.drafter_option if self.drafter_kind else None
+
+    def check_drafter(self, drafter: str | Path | None) -> None:
+        """Before anything loads, a one-line error for a drafter that is missing (a method that ships none:
+        drafter_required) or names nothing (a path that does not exist, unless it is a whole model known
+        by name, which draft-model fetches)."""
+        if drafter is None:
+            if self.drafter_required:
+                raise D3DError(f"method {self.name} needs --{self.drafter_option} {self.drafter_required}")
+            return
+        known = self.drafter_kind == "model" and str(drafter) in KNOWN_MODELS
+        if not known and not Path(drafter).expanduser().exists():
+            raise D3DError(f"drafter path does not exist: {drafter}")
 
     def runner(self, setup: Setup) -> Runner:
         built = self.build(setup)
@@ -108,9 +123,9 @@ def register(method: Method) -> Method:
 
 
 def check_method_options(options: dict, spell: Callable[[str], str] = str) -> dict:
-    """Method options (tree_budget and ar_draft_k >= 1; datastore an existing file or "none"), checked;
+    """Method options (tree_budget, ar_draft_k and draft_k >= 1; datastore an existing file or "none"), checked;
     `spell` names an option in the error (the CLI's --flag, the API's keyword). Returns them."""
-    for name in ("tree_budget", "ar_draft_k"):
+    for name in ("tree_budget", "ar_draft_k", "draft_k"):
         value = options.get(name)
         if value is not None and value < 1:
             raise D3DError(f"{spell(name)} must be >= 1 (got {value})")

@@ -54,8 +54,9 @@ def check_budget(max_new_tokens: int, block_size: int) -> None:
 
 def method_options(args: argparse.Namespace) -> dict:
     """The method options given (--tree-budget for d3d-tree and lookup-tree, --ar-draft-k for ar-draft,
-    --datastore for both trees), checked; each method reads its own from its Setup."""
-    options = {"tree_budget": args.tree_budget, "ar_draft_k": args.ar_draft_k, "datastore": args.datastore}
+    --draft-k for draft-model, --datastore for both trees), checked; each method reads its own from its Setup."""
+    options = {"tree_budget": args.tree_budget, "ar_draft_k": args.ar_draft_k, "draft_k": args.draft_k,
+               "datastore": args.datastore}
     return check_method_options(options, lambda name: "--" + name.replace("_", "-"))
 
 
@@ -114,9 +115,11 @@ def dest(option: str) -> str:
 
 
 def drafter_for(method: str, args: argparse.Namespace) -> str | None:
-    """The --drafter (or --dflash-drafter, ...) path that `method` uses (checked to exist)."""
-    path = getattr(args, dest(get(method).drafter_option), None)
-    check_drafter(path)
+    """The --drafter (or --dflash-drafter, --draft-model, ...) value that `method` uses, checked
+    (Method.check_drafter: given if the method ships none, existing unless a model known by name)."""
+    m = get(method)
+    path = getattr(args, dest(m.drafter_option), None)
+    m.check_drafter(path)
     return path
 
 

@@ -10,6 +10,10 @@ from .measure import cmd_estimate, cmd_loadtest
 from .run import QUICK_LIMIT, QUICK_NEW_TOKENS, cmd_bench, cmd_demo, cmd_generate, cmd_report, cmd_serve
 
 
+# what a drafter option names, where it is not a drafter checkpoint
+DRAFTER_HELP = {"draft-model": "NAME|PATH: a model with the target's tokenizer (known name, HF folder or .gguf)"}
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with the same one-line `d3d: error: ...` format as every other error."""
 
@@ -23,7 +27,8 @@ def _add_target_args(p: argparse.ArgumentParser, device: bool = True) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: min(2, available))")
     if device:
         for option, methods in drafter_options().items():
-            p.add_argument(f"--{option}", default=None, help=f"drafter checkpoint for {', '.join(methods)}")
+            what = DRAFTER_HELP.get(option, "drafter checkpoint")
+            p.add_argument(f"--{option}", default=None, help=f"{what} for {', '.join(methods)}")
         p.add_argument("--block-size", type=int, default=16, help="tokens verified per target forward")
         p.add_argument("--device", default="cpu")
         p.add_argument("--quantize", choices=["int8"], default=None,
@@ -41,6 +46,8 @@ def _add_method_options(p: argparse.ArgumentParser) -> None:
                         "measured cost of a target forward vs its width, see d3d.tree.auto_tree)")
     p.add_argument("--ar-draft-k", type=int, default=None,
                    help="ar-draft: a fixed draft length (default: adaptive, starting at 4)")
+    p.add_argument("--draft-k", type=int, default=None,
+                   help="draft-model: a fixed draft length (default: adaptive, starting at 4)")
     p.add_argument("--datastore", default=None, metavar="PATH|none",
                    help="d3d-tree, lookup-tree: retrieve continuations from this datastore (`d3d datastore` "
                         "builds one; default: the one shipped for the target; none: no retrieval)")
