@@ -94,11 +94,14 @@ def load_kernels() -> None:
     from torch.utils.cpp_extension import load
 
     path = requested_path()
-    variant = "native" if path in ("auto", "pytorch") or not _PATH_FLAGS[path] else path
+    # a forced path that is the one -march=native gives anyway shares its build (AVX2 on a CPU without AVX-512)
+    native = path == "avx2" and "avx512f" not in cpu_flags()
+    flags = [] if native else _PATH_FLAGS[path]
+    variant = path if flags else "native"
     try:
         load(name=f"d3d_kernels_{_build_tag()}_{variant}", sources=[str(s) for s in SOURCES],
              extra_include_paths=[str(CSRC)], is_python_module=False,
-             extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", *_PATH_FLAGS[path]],
+             extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", *flags],
              extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # a failed build surfaces as many error types (compiler missing, ninja, linker)
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
