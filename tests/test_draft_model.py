@@ -142,3 +142,14 @@ def test_another_vocabulary_is_a_one_line_error(smol, tmp_path):
         make_runner("draft-model", model, tok, model_dir, drafter=str(other))
     with pytest.raises(D3DError, match="method draft-model needs --draft-model"):
         make_runner("draft-model", model, tok, model_dir)
+
+
+def test_a_known_target_drafts_with_its_sibling_by_default(tmp_path):
+    from d3d.methods import drafter_path
+
+    method = REGISTRY["draft-model"]
+    method.check_drafter(None, "Qwen2.5-Coder-1.5B-Instruct")
+    assert drafter_path("draft-model", tmp_path / "Qwen2.5-Coder-1.5B-Instruct").name == "Qwen2.5-Coder-0.5B-Instruct"
+    assert drafter_path("draft-model", tmp_path / "Qwen2.5-Coder-1.5B-Instruct", str(tmp_path)) == tmp_path
+    with pytest.raises(D3DError, match="method draft-model needs --draft-model"):
+        method.check_drafter(None, "SmolLM2-135M-Instruct")

@@ -552,14 +552,14 @@ def test_oversized_body_413_without_reading_it(env):
     Content-Length) gets 413 once 4 MB have arrived, long before its 64 MB would."""
     server, _, _ = env
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 67108864\r\n\r\n" + b" " * 65536)
         head = _read_head_and_body(s)
     assert head.startswith("HTTP/1.1 413") and "body_too_large" in head, head[:300]
     piece = b"%x\r\n%s\r\n" % (1 << 16, b" " * (1 << 16))
     sent = 0
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   b"Transfer-Encoding: chunked\r\n\r\n")
         try:
             while sent < 64 << 20 and not select.select([s], [], [], 0)[0]:
@@ -588,7 +588,7 @@ def test_plain_request_disconnect_stops_generation(env):
     before = server.metrics()
     s = socket.create_connection(("127.0.0.1", server.port), timeout=30)
     body = json.dumps(chat(SLOW_PROMPT, max_tokens=400)).encode()
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     _wait(lambda: server.metrics()["d3d_generation_running"] == 1)
     time.sleep(0.3)
@@ -743,7 +743,7 @@ def test_disconnect_frees_worker_within_one_round(scripted):
     for stream in (False, True):
         s = socket.create_connection(("127.0.0.1", server.port), timeout=30)
         body = json.dumps(chat("hi", max_tokens=200, stream=stream)).encode()
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n%s" % (KEY.encode(), len(body), body))
         start = runner.rounds
         _wait(lambda: runner.rounds >= start + 3)

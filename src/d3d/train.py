@@ -40,7 +40,12 @@ def frozen_layers(model: Drafter, cfg: TrainConfig) -> list[int]:
 
 def trainable_parameters(model: Drafter, cfg: TrainConfig | None = None) -> list[torch.nn.Parameter]:
     """The embedding and the LM head stay the target's (frozen), and so do frozen_layers; the rest of the
-    stack, the final norm and the mask embedding train."""
+    stack, the final norm and the mask embedding train. A LoRA drafter trains its adapters and mask
+    embedding only."""
+    if model.cfg.lora_rank:
+        for n, p in model.named_parameters():
+            p.requires_grad_(n.endswith((".lora_a", ".lora_b")) or n == "mask_embedding")
+        return [p for p in model.parameters() if p.requires_grad]
     frozen = ("tok_embeddings", "output") + tuple(f"layers.{i}." for i in frozen_layers(model, cfg or TrainConfig()))
     for n, p in model.named_parameters():
         p.requires_grad_(not n.startswith(frozen))
@@ -84,7 +89,10 @@ def train(model: Drafter, examples: list[Example], cfg: TrainConfig, run_dir: Pa
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     step, history = 0, []
     if state_path.exists():
-        state = torch.load(state_path, map_location="cpu", weights_only=False)
+        try:  # tensors, numbers and lists only: a crafted pickle cannot run code here
+            state = torch.load(state_path, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise D3DError(f"cannot resume from {state_path} ({type(e).__name__}); delete it to start over") from e
         model.load_state_dict(state["model"], strict=False)
         opt.load_state_dict(state["opt"])
         step, history = state["step"], state["history"]
@@ -143,11 +151,13 @@ INIT_TARGET = "target"  # --init-model value meaning the target itself
 
 def init_model_drafter(target, tokenizer, target_name: str, target_dir: Path, init_model: str,
                        layers: list[int] | None, block_size: int, draft_ids: torch.Tensor | None,
-                       freeze_below: int = 0) -> Drafter:
+                       freeze_below: int = 0, lora_rank: int = 0) -> Drafter:
     """A token-shift D3D drafter converted from a whole pretrained causal LM (`init_model`: "target", a
     HF folder or a .gguf with the target's tokenizer), keeping `layers` of it (None: all). Made from the
     target's own weights, the frozen layers below `freeze_below` are recorded as shared with the target
-    (cfg.from_target), so the checkpoint stores only what training changes (a delta checkpoint)."""
+    (cfg.from_target), so the checkpoint stores only what training changes (a delta checkpoint).
+    lora_rank > 0: the stack layers from `freeze_below` up train as rank-`lora_rank` adapters (d3d.lora)
+    and the checkpoint stores only those and the mask embedding over `init_model`'s own weights."""
     from .checkpoints import resolve_target
     from .drafter import drafter_from_model, tokenizer_fingerprint
     from .loading import load_target
@@ -163,16 +173,36 @@ def init_model_drafter(target, tokenizer, target_name: str, target_dir: Path, in
         raise D3DError(f"--layers must lie in 0..{model.args.n_layers - 1} of the --init-model (got {layers})")
     d = drafter_from_model(model, tokenizer, target_name, target.args, layers, block_size, draft_ids,
                            shift=True, own_embeddings=not same)
-    if same:
+    if lora_rank:
+        from .lora import add_lora
+
+        if init_model == INIT_TARGET:
+            raise D3DError("--lora-rank needs --init-model NAME|PATH: its adapters are stored over that model")
+        d.cfg.lora_rank, d.cfg.base_model = lora_rank, init_model
+        add_lora(d, list(range(min(freeze_below, len(layers)), len(layers))), lora_rank)
+    elif same:
         d.cfg.from_target = list(range(min(freeze_below, len(layers))))
     return d
+
+
+def target_shape(target: str | None):
+    """(weightless model, tokenizer, model_dir) of a target: its shape on the meta device, all that
+    converting another model into its drafter needs (the target's weights never load)."""
+    from .checkpoints import read_hf_config, resolve_target
+    from .loading import load_tokenizer
+    from .target import ModelArgs, Transformer
+
+    model_dir = resolve_target(target)
+    with torch.device("meta"):
+        model = Transformer(ModelArgs.from_hf_config(read_hf_config(model_dir)))
+    return model, load_tokenizer(model_dir), model_dir
 
 
 def train_drafter(target: str | None, data: Path, out: Path, run_dir: Path, layers: list[int] | None,
                   draft_vocab: int, block_size: int, cfg: TrainConfig, heldout: int = 64, command: str = "",
                   max_shards: int | None = None, kind: str = "d3d", target_layers: list[int] | None = None,
                   init: Path | None = None, init_model: str | None = None, max_file_mb: float | None = None,
-                  extra_data: list[Path] = ()) -> dict:
+                  extra_data: list[Path] = (), lora_rank: int = 0) -> dict:
     """`d3d train`: build a drafter from the target's layers (or start from the drafter `init`, whose
     architecture then wins over layers / draft_vocab / block_size), train it on the distillation data,
     save it.
@@ -182,14 +212,19 @@ def train_drafter(target: str | None, data: Path, out: Path, run_dir: Path, laye
     init_model: convert a whole pretrained causal LM (see init_model_drafter; layers None = all of it).
     extra_data: datasets whose every example joins the training set; the held-out examples stay the last
     `heldout` of `data`, so runs with and without extra data compare."""
-    from .checkpoints import DEFAULT_TARGET
+    from .checkpoints import DEFAULT_TARGET, resolve_target
     from .data import load_dataset
     from .drafter import drafter_from_target
     from .drafter_files import load_drafter, save_drafter
     from .loading import load_target
 
-    model, tok, model_dir = load_target(target)
+    converting_other = init is None and init_model not in (None, INIT_TARGET) and kind == "d3d" and not cfg.distill \
+        and resolve_target(init_model).resolve() != resolve_target(target).resolve()
+    model, tok, model_dir = target_shape(target) if converting_other else load_target(target)
+    getattr(model, "drop_cpu_layers", lambda: None)()  # training runs on the PyTorch layers
     examples = load_dataset(data, max_shards)
+    if len(examples) <= heldout:
+        raise D3DError(f"{data} holds {len(examples)} examples: more than the {heldout} held out are needed")
     train_set, held = examples[:-heldout], examples[-heldout:]
     extra = [e for x in extra_data for e in load_dataset(x)]
     train_set += extra
@@ -203,7 +238,7 @@ def train_drafter(target: str | None, data: Path, out: Path, run_dir: Path, laye
             if draft_vocab else None
         if init_model is not None:
             drafter = init_model_drafter(model, tok, target or DEFAULT_TARGET, model_dir, init_model, layers,
-                                         block_size, draft_ids, cfg.freeze_below)
+                                         block_size, draft_ids, cfg.freeze_below, lora_rank)
         else:
             drafter = drafter_from_target(model, tok, target or DEFAULT_TARGET, layers, block_size, draft_ids,
                                           kind=kind, target_layers=target_layers)

@@ -119,7 +119,7 @@ def drafter_for(method: str, args: argparse.Namespace) -> str | None:
     (Method.check_drafter: given if the method ships none, existing unless a model known by name)."""
     m = get(method)
     path = getattr(args, dest(m.drafter_option), None)
-    m.check_drafter(path)
+    m.check_drafter(path, getattr(args, "target", None))
     return path
 
 

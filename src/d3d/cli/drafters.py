@@ -22,7 +22,11 @@ def cmd_data(args: argparse.Namespace) -> None:
     from ..data import build_dataset
     from ..loading import load_target
 
+    for name in ("max_tokens", "max_new_tokens", "batch_size", "shard_size"):
+        if getattr(args, name) <= 0:
+            raise D3DError(f"--{name.replace('_', '-')} must be > 0 (got {getattr(args, name)})")
     model, tok, model_dir = load_target(args.target)
+    getattr(model, "drop_cpu_layers", lambda: None)()  # batched generation runs on the PyTorch layers
     log_path = Path(args.out) / "progress.log"
     Path(args.out).mkdir(parents=True, exist_ok=True)
 
@@ -62,6 +66,10 @@ def cmd_train(args: argparse.Namespace) -> None:
         check_drafter(args.init)
     if args.init_model is not None and (args.init or args.kind != "d3d"):
         raise D3DError("--init-model builds a new d3d drafter: it excludes --init and --kind other than d3d")
+    if args.lora_rank < 0 or (args.lora_rank and args.init_model in (None, "target")):
+        raise D3DError("--lora-rank needs --init-model NAME|PATH (a model other than the target) and must be >= 0")
+    if args.heldout < 1:
+        raise D3DError(f"--heldout must be >= 1 (got {args.heldout})")
     if args.freeze_below < 0:
         raise D3DError(f"--freeze-below must be >= 0 (got {args.freeze_below})")
     if args.max_file_mb is not None and args.max_file_mb <= 0:
@@ -94,7 +102,8 @@ def cmd_train(args: argparse.Namespace) -> None:
                             args.block_size, cfg, command="d3d " + shlex.join(args.argv),
                             max_shards=args.max_shards, kind=args.kind, target_layers=target_layers,
                             init=Path(args.init) if args.init else None, init_model=args.init_model,
-                            max_file_mb=args.max_file_mb, extra_data=[Path(x) for x in extra])
+                            max_file_mb=args.max_file_mb, extra_data=[Path(x) for x in extra],
+                            lora_rank=args.lora_rank, heldout=args.heldout)
     before, after = summary["heldout_before"], summary["heldout_after"]
     tau = f"held-out teacher-forced tau {before['tau']} -> {after['tau']}, " if "tau" in after else ""
     print(f"{args.out}: {tau}held-out loss {before['loss']} -> {after['loss']}")

@@ -159,6 +159,11 @@ def _train(sub) -> None:
                         "or `target`, the default when the flag has no value) into a token-shift block-diffusion "
                         "drafter; made from the target, layers kept frozen are stored as references (delta)")
     p.add_argument("--freeze-below", type=int, default=0, help="keep drafter stack layers 0..N-1 frozen")
+    p.add_argument("--heldout", type=int, default=64, metavar="N",
+                   help="the last N examples of --data are held out: evaluated before and after, never trained on")
+    p.add_argument("--lora-rank", type=int, default=0, metavar="R",
+                   help="with --init-model NAME|PATH: train rank-R adapters (and the mask embedding) instead of "
+                        "whole layers; the drafter stores only those, over that model's weights (default 0: off)")
     p.add_argument("--max-file-mb", type=float, default=None, help="split the weights into files of at most this size")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="LM head rows (most frequent tokens); 0 = all (default 8192; with --init-model 0)")
@@ -228,6 +233,19 @@ def _serve(sub) -> None:
     p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                    help="deadline per request: 504 if still queued, else cut at the next round with "
                         "finish_reason 'length' (default: none)")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="also accept requests whose Host header names NAME (e.g. a DNS name of this machine; "
+                        "'*' = any); repeatable (default: loopback names and the --host address; others get 421)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, metavar="N",
+                   help="refuse (400) prompts of over N tokens (default: what the context window allows)")
+    p.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
+                   help="process prompts N tokens per forward, checking cancellation and deadline between "
+                        "chunks (default 256)")
+    p.add_argument("--max-connections", type=int, default=512, metavar="N",
+                   help="open connections at most; beyond, 503 (default 512)")
+    p.add_argument("--read-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="time a client has to send a request's headers, and again its body (408); idle "
+                        "connections close after it (default 10)")
     _add_method_options(p)
     _add_target_args(p)
     p.set_defaults(func=cmd_serve)

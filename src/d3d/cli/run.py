@@ -190,6 +190,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from ..api import load
     from ..methods import BEST_METHOD
     from ..server import check_address, serve
+    from ..server.security import check_api_key
 
     if not 0 <= args.port <= 65535:
         raise D3DError(f"--port must be in 0..65535 (got {args.port})")
@@ -197,6 +198,16 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise D3DError(f"--max-queue must be >= 1 (got {args.max_queue})")
     if args.request_timeout is not None and not args.request_timeout > 0:
         raise D3DError(f"--request-timeout must be > 0 seconds (got {args.request_timeout})")
+    if not args.read_timeout > 0 or args.read_timeout == float("inf"):
+        raise D3DError(f"--read-timeout must be > 0 seconds (got {args.read_timeout})")
+    if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
+        raise D3DError(f"--max-prompt-tokens must be >= 1 (got {args.max_prompt_tokens})")
+    if args.prefill_chunk < 1:
+        raise D3DError(f"--prefill-chunk must be >= 1 (got {args.prefill_chunk})")
+    if args.max_connections < 1:
+        raise D3DError(f"--max-connections must be >= 1 (got {args.max_connections})")
+    key = args.api_key if args.api_key is not None else os.environ.get("D3D_API_KEY")
+    key = check_api_key(key)  # empty or whitespace-only: refused here, before the model loads
     check_device(args.device)
     check_drafter(args.drafter)
     check_address(args.host, args.port)
@@ -204,9 +215,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     method = args.method or BEST_METHOD
     gen = load(args.target, method, drafter_for(method, args), device=args.device, block_size=args.block_size,
                quantize=args.quantize, compile=args.compile, quantize_drafter=args.quantize_drafter, **options)
-    key = args.api_key or os.environ.get("D3D_API_KEY") or None
     print(f"d3d serve: {gen.name} with method {gen.method} on http://{args.host}:{args.port} "
           f"(web page at /, OpenAI API at /v1; API key {'required' if key else 'not required'})",
           file=sys.stderr, flush=True)
     serve(gen, args.host, args.port, args.max_queue, api_key=key, allow_origins=args.allow_origin,
-          request_timeout=args.request_timeout)
+          request_timeout=args.request_timeout, allow_hosts=args.allow_host, max_prompt_tokens=args.max_prompt_tokens,
+          prefill_chunk=args.prefill_chunk, max_connections=args.max_connections, read_timeout=args.read_timeout)

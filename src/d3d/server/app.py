@@ -12,13 +12,14 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..api import Generator
 from ..errors import D3DError
 from .metrics import Metrics
 from .requests import FINISH, MAX_BODY_BYTES, STATIC, ApiError, GenRequest, decode_body, parse_request
-from .security import Guard
-from .worker import Job, QueueFull, Worker
+from .security import Guard, check_api_key
+from .worker import PREFILL_CHUNK, Job, QueueFull, Worker
 
 
 log = logging.getLogger("d3d.server")
@@ -33,31 +34,89 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+READ_TIMEOUT = 10.0            # seconds to send a request's headers, and again its body (then 408)
+MAX_CONNECTIONS = 512          # open connections (uvicorn's limit_concurrency; beyond: 503)
+MAX_BYTES_IN_FLIGHT = 64 << 20  # request body bytes held by all requests being read or parsed (beyond: 503)
+
+
+class ByteBudget:
+    """Body bytes held by requests being read or parsed, all together (event-loop thread only)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used = limit, 0
+
+    def take(self, n: int) -> None:
+        if self.used + n > self.limit:
+            raise ApiError(503, f"server busy: {self.limit} bytes of request bodies already in flight; retry later",
+                           code="server_busy", type_="server_error")
+        self.used += n
+
+    def give(self, n: int) -> None:
+        self.used -= n
+
+
+async def read_body(request: Request, limit: int = MAX_BODY_BYTES, timeout: float | None = READ_TIMEOUT,
+                    budget: ByteBudget | None = None) -> bytes:
     """The request body, read piece by piece: 413 as soon as it is known to exceed `limit` (from
-    Content-Length before reading anything, else while reading)."""
+    Content-Length before reading anything, else while reading); 408 when it takes over `timeout`
+    seconds (a body trickled in); 503 when `budget` has no room for it. A client that leaves mid-body
+    is one log line and a 499 nobody reads. The bytes stay taken from `budget` (the caller gives them back)."""
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > limit):
         raise ApiError(413, f"request body over {limit} bytes", code="body_too_large")
     parts, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise ApiError(413, f"request body over {limit} bytes", code="body_too_large")
-        parts.append(part)
+    try:
+        async with asyncio.timeout(timeout):
+            async for part in request.stream():
+                if size + len(part) > limit:
+                    raise ApiError(413, f"request body over {limit} bytes", code="body_too_large")
+                if budget is not None:
+                    budget.take(len(part))
+                size += len(part)
+                parts.append(part)
+    except TimeoutError:
+        if budget is not None:
+            budget.give(size)
+        client = request.client.host if request.client else "?"
+        log.info("request body from %s not received within %g s: 408", client, timeout)
+        raise ApiError(408, f"request body not received within {timeout:g} s", code="timeout") from None
+    except ClientDisconnect:
+        if budget is not None:
+            budget.give(size)
+        client = request.client.host if request.client else "?"
+        log.info("client %s disconnected while sending its request body", client)
+        raise ApiError(499, "client disconnected", code="cancelled", type_="server_error") from None
+    except BaseException:
+        if budget is not None:
+            budget.give(size)
+        raise
     return b"".join(parts)
 
 
 def create_app(gen: Generator, max_queue: int = 16, api_key: str | None = None,
                allow_origins: list[str] | tuple = (), request_timeout: float | None = None,
-               bind_host: str = "127.0.0.1") -> FastAPI:
-    """The ASGI app. api_key: required on every path but /health (None = open); allow_origins: browser
-    origins besides the server's own ("*" = any); request_timeout: seconds from arrival to deadline."""
+               bind_host: str = "127.0.0.1", allow_hosts: list[str] | tuple = (),
+               max_prompt_tokens: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
+               read_timeout: float | None = READ_TIMEOUT, max_bytes_in_flight: int = MAX_BYTES_IN_FLIGHT) -> FastAPI:
+    """The ASGI app. api_key: required on every path but /health (None = open; empty or blank: D3DError;
+    surrounding whitespace stripped); allow_origins: browser origins besides the server's own ("*" = any);
+    request_timeout: seconds from arrival to deadline; allow_hosts: Host names besides loopback and
+    bind_host ("*" = any); max_prompt_tokens: prompt-token cap (None: the context window's room);
+    prefill_chunk: prompt tokens per forward (cancel and deadline checked between chunks); read_timeout:
+    seconds to send a body (408); max_bytes_in_flight: body bytes held by all requests before parsing (503)."""
     if request_timeout is not None and not request_timeout > 0:
         raise D3DError(f"request_timeout must be > 0 (got {request_timeout})")
+    if read_timeout is not None and not read_timeout > 0:
+        raise D3DError(f"read_timeout must be > 0 (got {read_timeout})")
+    if max_prompt_tokens is not None and max_prompt_tokens < 1:
+        raise D3DError(f"max_prompt_tokens must be >= 1 (got {max_prompt_tokens})")
+    api_key = check_api_key(api_key)
     metrics = Metrics()
-    worker = Worker(gen, max_queue, metrics)
+    worker = Worker(gen, max_queue, metrics, prefill_chunk)
     parser = ThreadPoolExecutor(1, thread_name_prefix="d3d-parse")
+    budget = ByteBudget(max_bytes_in_flight)
+    parse_backlog = max_queue + 4  # requests read and waiting for (or in) the parser thread; beyond: 503
+    parsing = 0
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -66,8 +125,8 @@ def create_app(gen: Generator, max_queue: int = 16, api_key: str | None = None,
         parser.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="d3d", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-    app.add_middleware(Guard, metrics=metrics, api_key=api_key or None, allow_origins=list(allow_origins),
-                       bind_host=bind_host)
+    app.add_middleware(Guard, metrics=metrics, api_key=api_key, allow_origins=list(allow_origins),
+                       bind_host=bind_host, allow_hosts=list(allow_hosts))
     app.state.gen, app.state.worker, app.state.metrics = gen, worker, metrics
     page = (STATIC / "index.html").read_text()
     started = int(time.time())
@@ -106,13 +165,25 @@ def create_app(gen: Generator, max_queue: int = 16, api_key: str | None = None,
         return PlainTextResponse(metrics.render(gen, worker), media_type="text/plain; version=0.0.4")
 
     def parse(raw: bytes, chat: bool) -> GenRequest:
-        return parse_request(decode_body(raw), gen, chat)
+        return parse_request(decode_body(raw), gen, chat, max_prompt_tokens)
 
     async def start(request: Request, chat: bool) -> Job:
         """Read, parse (in the parser thread) and queue a request; ApiError on any problem."""
+        nonlocal parsing
         deadline = None if request_timeout is None else time.monotonic() + request_timeout
-        raw = await read_body(request)
-        req = await asyncio.get_running_loop().run_in_executor(parser, parse, raw, chat)
+        raw = await read_body(request, timeout=read_timeout, budget=budget)
+        try:
+            if parsing >= parse_backlog:
+                raise ApiError(503, f"server busy: {parsing} requests are already being parsed; retry later",
+                               code="server_busy", type_="server_error")
+            parsing += 1
+            try:
+                req = await asyncio.get_running_loop().run_in_executor(parser, parse, raw, chat)
+            finally:
+                parsing -= 1
+        finally:
+            budget.give(len(raw))
+        del raw
         if not worker.alive:
             raise ApiError(503, "the generation worker is not running", code="worker_dead")
         job = Job(req, asyncio.get_running_loop(), deadline)
@@ -277,10 +348,63 @@ def check_address(host: str, port: int) -> None:
             raise D3DError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
-def serve(gen: Generator, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 16,
-          log_level: str = "info", api_key: str | None = None, allow_origins: list[str] | tuple = (),
-          request_timeout: float | None = None) -> None:
+def http_protocol(header_timeout: float | None):
+    """uvicorn's h11 protocol, plus a deadline for a request's headers: a connection that has not sent
+    complete headers `header_timeout` seconds after it opened (or after its last response) is closed, so
+    idle or slow-loris connections cannot pile up (uvicorn's keep-alive timer stops at the first byte)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class GuardedH11(H11Protocol):
+        def _arm_header_timer(self) -> None:
+            old = getattr(self, "_header_timer", None)
+            if old is not None:
+                old.cancel()
+            self._header_timer = None if header_timeout is None else \
+                self.loop.call_later(header_timeout, self._header_timeout)
+
+        def _header_timeout(self) -> None:
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()  # no request under way: nobody to answer
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm_header_timer()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm_header_timer()
+
+        def connection_lost(self, exc) -> None:
+            timer = getattr(self, "_header_timer", None)
+            if timer is not None:
+                timer.cancel()
+            super().connection_lost(exc)
+
+    return GuardedH11
+
+
+def server_config(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+                  max_connections: int = MAX_CONNECTIONS, read_timeout: float | None = READ_TIMEOUT):
+    """uvicorn's Config for `app` with the limits that hold before the queue: at most `max_connections`
+    open connections and running requests (503 beyond), headers within `read_timeout` seconds of a
+    connection's start or last response (else it is closed), idle keep-alive connections closed after
+    5 s, headers of at most 16 KB (h11's default)."""
     import uvicorn
 
-    app = create_app(gen, max_queue, api_key, allow_origins, request_timeout, host)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=2)
+    if max_connections < 1:
+        raise D3DError(f"max_connections must be >= 1 (got {max_connections})")
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=2,
+                          http=http_protocol(read_timeout), limit_concurrency=max_connections, timeout_keep_alive=5)
+
+
+def serve(gen: Generator, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 16,
+          log_level: str = "info", api_key: str | None = None, allow_origins: list[str] | tuple = (),
+          request_timeout: float | None = None, allow_hosts: list[str] | tuple = (),
+          max_prompt_tokens: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
+          max_connections: int = MAX_CONNECTIONS, read_timeout: float | None = READ_TIMEOUT) -> None:
+    import uvicorn
+
+    app = create_app(gen, max_queue, api_key, allow_origins, request_timeout, host, allow_hosts, max_prompt_tokens,
+                     prefill_chunk, read_timeout)
+    uvicorn.Server(server_config(app, host, port, log_level, max_connections, read_timeout)).run()

@@ -19,6 +19,7 @@ MAX_BODY_BYTES = 4 << 20
 MAX_STOP = 16
 MAX_STOP_CHARS = 64  # the engine looks for stops in the last 32 tokens' text
 MAX_TOP_LOGPROBS = 20
+CHARS_PER_TOKEN = 16  # text over prompt-token cap x this many characters is refused before tokenizing
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "timeout": "length"}
 API_PATHS = ("/v1/chat/completions", "/v1/completions")
 # OpenAI parameters this server does not implement, with the values that mean "not used"
@@ -138,9 +139,47 @@ def parse_stop(body: dict) -> list[str]:
     return stop
 
 
-def encode_prompt(body: dict, gen: Generator, chat: bool) -> list[int]:
-    """The prompt's token ids; every problem (tokenizer errors included) is an ApiError(400)."""
+def prompt_cap(gen: Generator, max_prompt_tokens: int | None = None) -> int:
+    """The most prompt tokens a request may have: --max-prompt-tokens, at most what the context window
+    leaves beside one block of new tokens."""
+    room = gen.context_window - gen.block_size - 1
+    return room if max_prompt_tokens is None else min(max_prompt_tokens, room)
+
+
+def too_long(n: int, cap: int, param: str, unit: str = "tokens") -> ApiError:
+    limit = cap if unit == "tokens" else cap * CHARS_PER_TOKEN
+    return bad(f"prompt too long: {n} {unit}; the limit is {limit} {unit} (--max-prompt-tokens {cap}"
+               + (f" x {CHARS_PER_TOKEN} characters per token, checked before tokenizing" if unit != "tokens" else "")
+               + ")", param, "context_length_exceeded")
+
+
+def special_tokens(tokenizer) -> list[str]:
+    """The tokenizer's control-token strings (e.g. <|im_start|>), which its encoder turns into the real
+    tokens wherever they appear in text."""
+    names = set(getattr(tokenizer, "all_special_tokens", None) or [])
+    for tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        if getattr(tok, "special", False):
+            names.add(str(tok))
+    return sorted(n for n in names if n)
+
+
+def check_special_tokens(messages: list[dict], tokenizer) -> None:
+    """Refuse chat content that spells a control token: the chat template would pass it on as the real
+    token, so a message could open a new turn with another role (prompt injection)."""
+    names = special_tokens(tokenizer)
+    for i, m in enumerate(messages):
+        for name in names:
+            if name in m["content"]:
+                raise bad(f"messages[{i}].content contains the special token {name!r}, which chat content may "
+                          "not spell (use /v1/completions to send a raw prompt)", "messages", "special_token")
+
+
+def encode_prompt(body: dict, gen: Generator, chat: bool, cap: int | None = None) -> list[int]:
+    """The prompt's token ids; every problem (tokenizer errors included) is an ApiError(400). cap: the
+    most prompt tokens allowed (prompt_cap); text of over cap x CHARS_PER_TOKEN characters is refused
+    before it is tokenized."""
     param = "messages" if chat else "prompt"
+    cap = prompt_cap(gen) if cap is None else cap
     if chat:
         if "messages" not in body:
             raise bad("'messages' is required", "messages")
@@ -148,12 +187,18 @@ def encode_prompt(body: dict, gen: Generator, chat: bool) -> list[int]:
             prompt = check_messages(body["messages"])
         except D3DError as e:
             raise bad(str(e), "messages") from None
+        chars = sum(len(m["content"]) for m in prompt)
+        if chars > cap * CHARS_PER_TOKEN:
+            raise too_long(chars, cap, param, "characters")
+        check_special_tokens(prompt, gen.tokenizer)
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
             vocab = min(len(gen.tokenizer), gen.model.args.vocab_size)
+            if len(prompt) > cap:
+                raise too_long(len(prompt), cap, param)
             if not all(0 <= t < vocab for t in prompt):
                 raise bad(f"prompt token ids must be in [0, {vocab})", "prompt")
             return list(prompt)
@@ -161,6 +206,8 @@ def encode_prompt(body: dict, gen: Generator, chat: bool) -> list[int]:
             raise bad("'prompt' is required", "prompt")
         if not isinstance(prompt, str):
             raise bad("'prompt' must be a string (or a list of one string, or a list of token ids)", "prompt")
+        if len(prompt) > cap * CHARS_PER_TOKEN:
+            raise too_long(len(prompt), cap, param, "characters")
         if not prompt.strip():
             raise bad("empty prompt", "prompt")
     try:
@@ -184,8 +231,9 @@ def accepts_logprobs(runner) -> bool:
     return any(p.name == "logprobs" or p.kind is p.VAR_KEYWORD for p in params)
 
 
-def parse_request(body, gen: Generator, chat: bool) -> GenRequest:
-    """Validate an OpenAI-style request body; every problem is an ApiError(400)."""
+def parse_request(body, gen: Generator, chat: bool, max_prompt_tokens: int | None = None) -> GenRequest:
+    """Validate an OpenAI-style request body; every problem is an ApiError(400). max_prompt_tokens: the
+    prompt-token cap (None: what the context window allows)."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     if body.get("model") is not None and not isinstance(body["model"], str):
@@ -218,9 +266,12 @@ def parse_request(body, gen: Generator, chat: bool) -> GenRequest:
     if max_tokens is not None and max_tokens <= 0:
         raise bad(f"'{key}' must be > 0 (got {max_tokens})", key)
 
-    prompt_ids = encode_prompt(body, gen, chat)
+    cap = prompt_cap(gen, max_prompt_tokens)
+    prompt_ids = encode_prompt(body, gen, chat, cap)
     if not prompt_ids:
         raise bad("empty prompt", "messages" if chat else "prompt")
+    if len(prompt_ids) > cap:
+        raise too_long(len(prompt_ids), cap, "messages" if chat else "prompt")
     room = gen.context_window - len(prompt_ids) - gen.block_size
     if room <= 0:
         raise bad(f"prompt too long: {len(prompt_ids)} tokens leave no room in the context window "

@@ -1,4 +1,5 @@
-"""The generation worker of d3d serve: one thread, a bounded FIFO queue, cancellation and deadlines per round."""
+"""The generation worker of d3d serve: one thread, a bounded FIFO queue, cancellation and deadlines per round
+and, while a long prompt is processed, per prefill chunk (ChunkedPrefill)."""
 from __future__ import annotations
 
 import asyncio
@@ -6,7 +7,10 @@ import logging
 import queue
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+import torch
 
 from ..api import Generator
 from ..engine import GenerationResult, LogprobRecorder, StopChecker
@@ -47,6 +51,83 @@ class QueueFull(Exception):
     pass
 
 
+PREFILL_CHUNK = 256  # prompt tokens per target forward while the server processes a prompt
+
+
+class ChunkedPrefill:
+    """While a server job runs, the target's forward over a prompt longer than `chunk` tokens (one
+    sequence, its KV cache set up, no mask or positions given: the engines' prefill) runs as forwards of
+    `chunk` tokens that extend the cache one after the other, with `check()` (the job's cancel flag and
+    deadline) called before each: a client that leaves or a deadline frees the worker within one chunk,
+    at any prompt length. Every other forward (decoding rounds, tree verification) goes through
+    unchanged. The engines are not touched: the chunked forward is installed on the target instance for
+    the job's duration (`active`) and removed afterwards."""
+
+    def __init__(self, model, chunk: int = PREFILL_CHUNK):
+        if chunk < 1:
+            raise D3DError(f"prefill chunk must be >= 1 token (got {chunk})")
+        self.model, self.chunk = model, chunk
+        self.chunks = 0  # chunk forwards run so far (tests count them)
+
+    @staticmethod
+    def supports(model) -> bool:
+        return isinstance(model, torch.nn.Module) and all(hasattr(model, a) for a in ("cache_len", "cache_size",
+                                                                                         "layers", "setup_cache"))
+
+    def _cached(self, T: int) -> bool:
+        m = self.model
+        layers = getattr(m, "layers", None)
+        return bool(layers) and getattr(layers[0].attention, "k_cache", None) is not None \
+            and m.cache_len + T <= m.cache_size
+
+    @contextmanager
+    def active(self, check):
+        """Install the chunked forward on the target while the body runs; `check()` raises to stop."""
+        if not self.supports(self.model):
+            yield
+            return
+        m, owner = self.model, threading.get_ident()
+        saved = m.__dict__.get("forward")
+        inner = saved or m.forward
+
+        def forward(tokens, mask=None, positions=None, last_only=False, hidden_layers=None, logits_to_keep=0):
+            T = tokens.shape[-1]
+            if threading.get_ident() != owner or tokens.dim() != 2 or tokens.shape[0] != 1 or T <= self.chunk \
+                    or mask is not None or positions is not None or not self._cached(T):
+                return inner(tokens, mask, positions, last_only, hidden_layers, logits_to_keep)
+            return self._chunked(inner, check, tokens, last_only, hidden_layers, logits_to_keep)
+
+        m.forward = forward
+        try:
+            yield
+        finally:
+            if saved is None:
+                del m.forward
+            else:
+                m.forward = saved
+
+    def _chunked(self, inner, check, tokens, last_only, hidden_layers, logits_to_keep):
+        T, logits, taps = tokens.shape[1], [], None
+        for a in range(0, T, self.chunk):
+            check()
+            part = tokens[:, a:a + self.chunk]
+            out = inner(part, None, None, last_only, hidden_layers, 0)
+            self.chunks += 1
+            if hidden_layers is not None:
+                out, t = out
+                taps = [prev + [x] for prev, x in zip(taps or [[] for _ in t], t)]
+            if last_only:
+                logits = [out]  # only the last chunk's last row is asked for
+            else:
+                logits.append(out)
+        out = logits[0] if len(logits) == 1 else torch.cat(logits, dim=1)
+        if not last_only and logits_to_keep:
+            out = out[:, -logits_to_keep:]
+        if hidden_layers is None:
+            return out
+        return out, [torch.cat(parts, dim=1) for parts in (taps or [])]
+
+
 @dataclass
 class Progress:
     """What a generation has produced so far, as its rounds report it (for a cut, partial answer)."""
@@ -72,10 +153,11 @@ class Progress:
 class Worker:
     """One thread that runs generations one after the other, FIFO, with at most `max_queue` waiting."""
 
-    def __init__(self, gen: Generator, max_queue: int, metrics: "Metrics"):
+    def __init__(self, gen: Generator, max_queue: int, metrics: "Metrics", prefill_chunk: int = PREFILL_CHUNK):
         if max_queue < 1:
             raise D3DError(f"max_queue must be >= 1 (got {max_queue})")
         self.gen, self.max_queue, self.metrics = gen, max_queue, metrics
+        self.prefill = ChunkedPrefill(gen.model, prefill_chunk)
         self.queue: queue.Queue[Job | None] = queue.Queue()
         self.lock = threading.Lock()
         self.waiting = 0
@@ -144,6 +226,12 @@ class Worker:
         streamer = TextStreamer(tok, r.stop) if r.stream else None
         progress = Progress()
 
+        def check() -> None:
+            if job.cancel_flag.is_set():
+                raise Cancelled
+            if job.deadline is not None and time.monotonic() >= job.deadline:
+                raise DeadlineReached
+
         def on_round(chunk: list[int], accepted: int, branch: str | None = None) -> None:
             if job.cancel_flag.is_set():
                 raise Cancelled
@@ -156,13 +244,19 @@ class Worker:
                 raise DeadlineReached
 
         try:
-            res = self.gen.run(r.prompt_ids, r.params, r.max_tokens, r.stop, on_round=on_round, logprobs=recorder)
+            with self.prefill.active(check):
+                res = self.gen.run(r.prompt_ids, r.params, r.max_tokens, r.stop, on_round=on_round,
+                                   logprobs=recorder)
         except Cancelled:
             job.state = "cancelled"
             self.metrics.count("cancelled")
             return ("cancelled",)
         except DeadlineReached:
             self.metrics.count("timeouts")
+            if not progress.ids:  # cut while the prompt was processed: no answer to give
+                job.state = "done"
+                return "error", ApiError(504, f"request timed out while its prompt of {len(r.prompt_ids)} tokens "
+                                              "was processed", code="timeout", type_="server_error")
             res = progress.result(r, tok, recorder)
         except D3DError as e:
             job.state = "done"

@@ -1,0 +1,39 @@
+"""Resuming training never unpickles code, and `d3d data` checks its numbers before loading a model."""
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from d3d.batches import TrainConfig
+from d3d.errors import D3DError
+from d3d.train import train
+
+from test_drafter import tiny_drafter, tiny_examples
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Payload:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+def test_a_crafted_state_file_is_refused_without_running_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "state.pt").write_bytes(pickle.dumps({"model": Payload()}))
+    with pytest.raises(D3DError, match="cannot resume from .*state.pt"):
+        train(tiny_drafter(), tiny_examples(), TrainConfig(steps=1, batch_size=1), run, log=lambda m: None)
+    assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize("option", ["--shard-size", "--batch-size", "--max-new-tokens", "--max-tokens"])
+def test_data_numbers_are_checked_before_the_model_loads(tmp_path, option):
+    r = subprocess.run([sys.executable, "-m", "d3d.cli", "data", "--out", str(tmp_path / "d"), option, "0"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == f"d3d: error: {option} must be > 0 (got 0)"
