@@ -363,7 +363,7 @@ def test_bench_runs_each_method_once_per_named_drafter(tmp_path):
     """--drafters NAME=PATH: d3d runs once per drafter (rows d3d@NAME) beside the methods without one."""
     from d3d.methods import DEFAULT_DRAFTERS
 
-    shipped = str(next(p for p in DEFAULT_DRAFTERS.iterdir() if p.name.endswith("Instruct")))
+    shipped = str(DEFAULT_DRAFTERS / "SmolLM2-135M-Instruct")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "Count from 1 to 5."}\n')
     out = tmp_path / "drafters.json"
@@ -383,8 +383,8 @@ def test_bench_runs_each_retrieving_method_once_per_named_datastore(tmp_path):
     from d3d.datastore import SHIPPED
     from d3d.methods import DEFAULT_DRAFTERS
 
-    shipped = str(next(p for p in DEFAULT_DRAFTERS.iterdir() if p.name.endswith("Instruct")))
-    store = str(next(SHIPPED.glob("*.npz")))
+    shipped = str(DEFAULT_DRAFTERS / "SmolLM2-135M-Instruct")
+    store = str(SHIPPED / "SmolLM2-135M-Instruct.npz")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "Count from 1 to 5."}\n')
     out = tmp_path / "stores.json"

@@ -11,6 +11,7 @@ it reads BUILTIN, which register() holds the built-in declarations to, plus anyt
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -28,6 +29,9 @@ BUILTIN: dict[str, str | None] = {
     "ar-draft": "ar-drafter", "dflash": "dflash-drafter", "hf": None, "hf-lookup": None,
     "llama-cpp": None, "llama-cpp-q8": None, "draft-model": "draft-model",
 }
+
+
+_LOADED_DRAFTERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # target -> {key: drafter}
 
 
 @dataclass
@@ -48,11 +52,19 @@ class Setup:
         return str(next(self.model.parameters()).device)
 
     def drafter(self, kind: str, method: str, device: str | None = None):
-        """The drafter checkpoint loaded for this target, checked to be of `kind`."""
+        """The drafter checkpoint loaded for this target, checked to be of `kind`. Loaded once per target,
+        checkpoint, device and precision: methods built side by side (a bench's d3d, d3d-tree, d3d-async)
+        share it, since every generation resets the drafter's cache before it drafts."""
         from .drafter_files import load_drafter
 
-        d = load_drafter(self.drafter_path, self.model, self.tokenizer, device=device or self.device,
-                         quantize=self.quantize_drafter)
+        path = Path(self.drafter_path).resolve()
+        written = (path / "drafter.json").stat().st_mtime_ns if (path / "drafter.json").exists() else None
+        key = (str(path), written, device or self.device, self.quantize_drafter)
+        loaded = _LOADED_DRAFTERS.setdefault(self.model, {})
+        if key not in loaded:
+            loaded[key] = load_drafter(self.drafter_path, self.model, self.tokenizer, device=key[2],
+                                       quantize=self.quantize_drafter)
+        d = loaded[key]
         if d.cfg.kind != kind:
             hint = next((m.name for m in REGISTRY.values() if m.drafter_kind == d.cfg.kind), "?")
             raise D3DError(f"method {method} needs a drafter of kind {kind!r}; {self.drafter_path} is "
