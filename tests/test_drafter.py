@@ -229,7 +229,8 @@ def test_mismatched_target_is_a_clear_error(tmp_path, smol):
     with pytest.raises(D3DError, match="trained for target 'tiny'"):
         load_drafter(tmp_path / "tiny", model, tok)
     r = subprocess.run([sys.executable, "-m", "d3d.cli", "generate", "hello", "--method", "d3d", "--drafter",
-                        str(tmp_path / "tiny"), "--max-new-tokens", "4"], capture_output=True, text=True)
+                        str(tmp_path / "tiny"), "--max-new-tokens", "4"], capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("d3d: error: drafter")
 
@@ -344,7 +345,8 @@ def test_d3d_async_greedy_is_identical_to_ar_on_real_prompts(smol, prompt_ids):
 def test_cli_trace_writes_chrome_trace_and_plot(tmp_path):
     trace = tmp_path / "trace.json"
     r = subprocess.run([sys.executable, "-m", "d3d.cli", "generate", "What is 12 * 7?", "--method", "d3d-async",
-                        "--max-new-tokens", "24", "--trace", str(trace), "--json"], capture_output=True, text=True)
+                        "--max-new-tokens", "24", "--trace", str(trace), "--json"], capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr
     events = json.loads(trace.read_text())["traceEvents"]
     names = {e["name"] for e in events if e.get("ph") == "X"}

@@ -168,6 +168,7 @@ def test_train_init_model_target_writes_a_small_delta_checkpoint(tmp_path, smol)
 
 def test_init_model_bad_input_is_a_one_line_error(tmp_path):
     r = subprocess.run([sys.executable, "-m", "d3d.cli", "train", "--out", str(tmp_path / "x"), "--init-model",
-                        "--kind", "ar", "--data", str(ROOT / "data" / "distill")], capture_output=True, text=True)
+                        "--kind", "ar", "--data", str(ROOT / "data" / "distill")], capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("d3d: error: --init-model")
