@@ -37,7 +37,7 @@ def test_data_is_the_targets_greedy_output_and_resumes(tmp_path, smol, prompt_se
 
     second = build(first["response_tokens"] + 1)  # resumes at shard 1; shard 0 is left as it was
     assert len(second["shards"]) == 2 and load_dataset(out, 1) == examples
-    with pytest.raises(ValueError, match="built with other settings"):
+    with pytest.raises(D3DError, match="built with other settings"):
         build(10**6, prompts="mix")
     with pytest.raises(D3DError, match="unknown prompt set 'prose'"):
         build_dataset(model, tok, tmp_path / "other", "SmolLM2-135M-Instruct", 1, prompts="prose")

@@ -37,3 +37,24 @@ def test_data_numbers_are_checked_before_the_model_loads(tmp_path, option):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1] == f"d3d: error: {option} must be > 0 (got 0)"
+
+
+def test_damaged_inputs_are_one_line_errors(tmp_path, smol):
+    from d3d.bench import read_prompts_file
+    from d3d.datastore import SHIPPED, load_datastore
+    from d3d.drafter_files import load_drafter
+
+    model, tok, _ = smol
+    truncated = tmp_path / "t.npz"
+    truncated.write_bytes((SHIPPED / "SmolLM2-135M-Instruct.npz").read_bytes()[:30000])
+    with pytest.raises(D3DError, match="is not a d3d datastore, or is truncated"):
+        load_datastore(truncated)
+    latin = tmp_path / "p.jsonl"
+    latin.write_bytes('{"prompt": "caf\xe9"}\n'.encode("latin-1"))
+    with pytest.raises(D3DError, match="is not UTF-8 text"):
+        read_prompts_file(latin)
+    for text in ('{"args": ', '["not", "an", "object"]', '{"args": {}, "colour": "red"}'):
+        (tmp_path / "d").mkdir(exist_ok=True)
+        (tmp_path / "d" / "drafter.json").write_text(text)
+        with pytest.raises(D3DError, match="is not a valid drafter config"):
+            load_drafter(tmp_path / "d", model, tok)

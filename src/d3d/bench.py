@@ -42,6 +42,8 @@ def read_prompts_file(path: str | Path) -> list[str]:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as e:
         raise D3DError(f"cannot read prompts file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise D3DError(f"prompts file {path} is not UTF-8 text (byte {e.start})") from None
     prompts = []
     for i, line in enumerate(lines, 1):
         if not line.strip():

@@ -161,7 +161,7 @@ def build_dataset(model, tokenizer, out: Path, target_name: str, max_tokens: int
         settings["python"] = python_version()
     manifest = json.loads(mpath.read_text()) if mpath.exists() else {"settings": settings, "shards": []}
     if manifest["settings"] != settings:
-        raise ValueError(f"{out} was built with other settings: {manifest['settings']}")
+        raise D3DError(f"{out} was built with other settings: {manifest['settings']}; use another --out")
     manifest["sources"] = PROMPT_SETS[prompts]
     mix = PROMPT_MIXES[prompts](seed)
     eos = {tokenizer.eos_token_id}

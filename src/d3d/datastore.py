@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import json
+import zipfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,8 +175,8 @@ def load_datastore(path: str | Path, vocab_size: int | None = None) -> Datastore
     try:
         z = np.load(path)
         stored, size, meta = z["tokens"], int(z["vocab_size"]), json.loads(str(z["meta"]))
-    except (OSError, KeyError, ValueError) as e:
-        raise D3DError(f"{path} is not a d3d datastore ({e})") from None
+    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise D3DError(f"{path} is not a d3d datastore, or is truncated ({e})") from None
     if vocab_size is not None and size != vocab_size:
         raise D3DError(f"{path} was built for a vocabulary of {size} tokens; the target has {vocab_size}")
     sep = separator(size)

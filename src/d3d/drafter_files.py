@@ -150,7 +150,10 @@ def load_drafter(folder: str | Path, target: Transformer, tokenizer, device: str
     folder = Path(folder)
     if not (folder / CONFIG_NAME).exists():
         raise D3DError(f"not a drafter: {folder} (no {CONFIG_NAME})")
-    cfg = DrafterConfig(**json.loads((folder / CONFIG_NAME).read_text()))
+    try:
+        cfg = DrafterConfig(**json.loads((folder / CONFIG_NAME).read_text()))
+    except (ValueError, TypeError) as e:  # not JSON, not an object, or fields a DrafterConfig does not have
+        raise D3DError(f"{folder / CONFIG_NAME} is not a valid drafter config ({type(e).__name__}: {e})") from None
     t = cfg.target
     if t.get("tokenizer") != tokenizer_fingerprint(tokenizer) or t.get("vocab_size") != target.args.vocab_size \
             or t.get("dim") != target.args.dim:
