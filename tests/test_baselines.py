@@ -53,10 +53,13 @@ def test_shipped_baseline_greedy_is_identical_to_ar(smol, prompt_ids, method):
     model, tok, model_dir = smol
     default_drafter(model_dir, BASELINE_SUFFIX[method])  # shipped
     run = make_runner(method, model, tok, model_dir)
+    lengths = []
     for ids in prompt_ids[:3]:
         ar = generate(model, tok, ids, max_new_tokens=48)
         res = run(ids, max_new_tokens=48)
         assert res.token_ids == ar.token_ids and res.text == ar.text
+        lengths += res.acceptance_lengths
+    assert max(lengths) >= 2  # the shipped drafter's drafts were accepted
 
 
 def test_ar_draft_with_a_fixed_draft_length(smol, prompt_ids):

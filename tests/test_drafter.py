@@ -335,11 +335,14 @@ def test_d3d_async_greedy_is_identical_to_ar_on_real_prompts(smol, prompt_ids):
 
     model, tok, model_dir = smol
     d = load_drafter(DEFAULT_DRAFTERS / model_dir.name, model, tok)
+    hits, lengths = 0, []
     for ids in prompt_ids[:3]:
         ar = generate(model, tok, ids, max_new_tokens=48)
         res = generate_async(model, tok, ids, max_new_tokens=48, drafter=d)
         assert res.token_ids == ar.token_ids
         assert res.stats["packed_hits"] + res.stats["fallbacks"] == res.rounds - 1
+        hits, lengths = hits + res.stats["packed_hits"], lengths + res.acceptance_lengths
+    assert hits > 0 and max(lengths) >= 2  # packed drafts were used and accepted
 
 
 def test_cli_trace_writes_chrome_trace_and_plot(tmp_path):

@@ -27,9 +27,9 @@ def runnable_paths() -> list[str]:
     return paths
 
 
-def outputs(path: str, tmp_path: Path) -> dict:
-    out = tmp_path / f"{path}.pt"
-    env = {**os.environ, "D3D_KERNELS": path}
+def outputs(path: str, tmp_path: Path, threads: int = 2) -> dict:
+    out = tmp_path / f"{path}-{threads}.pt"
+    env = {**os.environ, "D3D_KERNELS": path, "D3D_KERNEL_THREADS": str(threads)}
     subprocess.run([sys.executable, str(SCRIPT), str(out)], env=env, check=True, timeout=600)
     return torch.load(out)
 
@@ -51,6 +51,13 @@ def test_each_vector_path_equals_the_plain_loops_bit_for_bit(path, by_path):
     assert got["tensors"].keys() == scalar["tensors"].keys()
     differ = [k for k, t in scalar["tensors"].items() if not torch.equal(got["tensors"][k], t)]
     assert not differ, f"{path} differs from the plain loops in: {differ}"
+
+
+def test_one_thread_gives_the_bits_of_two(by_path, tmp_path):
+    """Work split between threads never changes a sum's order: 1 thread = the 2 of every published run."""
+    path = (runnable_paths() or ["scalar"])[0]
+    one, two = outputs(path, tmp_path, threads=1)["tensors"], by_path[path]["tensors"]
+    assert [k for k, t in two.items() if not torch.equal(one[k], t)] == []
 
 
 @pytest.mark.parametrize("path", ["scalar", *runnable_paths()])

@@ -203,8 +203,12 @@ def test_int8_speculative_methods_equal_int8_plain_decoding(int8_target, prompt_
     model, tok, model_dir = int8_target
     ar = make_runner("ar", model, tok, model_dir)
     spec = make_runner(method, model, tok, model_dir)
+    lengths = []
     for ids in (prompt_ids[0], prompt_ids[-1]):
-        assert spec(ids, max_new_tokens=40).token_ids == ar(ids, max_new_tokens=40).token_ids
+        res = spec(ids, max_new_tokens=40)
+        assert res.token_ids == ar(ids, max_new_tokens=40).token_ids
+        lengths += res.acceptance_lengths
+    assert max(lengths) >= 2  # drafts were accepted: a method that drafts nothing cannot pass
 
 
 @pytest.mark.parametrize("method", ["d3d", "d3d-tree"])
@@ -219,8 +223,12 @@ def test_an_int8_drafter_on_an_fp32_target_keeps_the_fp32_output(smol, prompt_id
     assert isinstance(drafter.layers[0].feed_forward.w13, Int8Linear)
     assert getattr(model, "quantized", None) is None and not isinstance(model.layers[0].feed_forward.w13, Int8Linear)
     ar = make_runner("ar", model, tok, model_dir)
+    lengths = []
     for ids in (prompt_ids[0], prompt_ids[-1]):
-        assert spec(ids, max_new_tokens=40).token_ids == ar(ids, max_new_tokens=40).token_ids
+        res = spec(ids, max_new_tokens=40)
+        assert res.token_ids == ar(ids, max_new_tokens=40).token_ids
+        lengths += res.acceptance_lengths
+    assert max(lengths) >= 2  # the int8 drafter's drafts were accepted
 
 
 def test_unknown_quantize_mode_is_a_clear_error():

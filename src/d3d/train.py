@@ -73,8 +73,8 @@ def train(model: Drafter, examples: list[Example], cfg: TrainConfig, run_dir: Pa
           target=None, feats: list[torch.Tensor] | None = None, teacher=None) -> list[dict]:
     """Train in place; resumes from run_dir/state.pt if present. Returns the per-step history.
 
-    Works single-process on CPU, and under `accelerate launch` (each process takes its own batches and
-    gradients are averaged across processes before each step). DFlash drafters read the frozen `target`'s
+    Works single-process, under `torchrun` on CPUs (gloo) and under `accelerate launch` (each process takes
+    its own batches and gradients are averaged across processes before each step). DFlash drafters read the frozen `target`'s
     hidden states: precomputed per example in `feats` (target_features), else computed per batch. With
     cfg.distill > 0 the frozen `teacher` (the target) gives soft labels, computed per batch (d3d.losses).
     """
@@ -131,7 +131,7 @@ def train(model: Drafter, examples: list[Example], cfg: TrainConfig, run_dir: Pa
         step += 1
         ntok = batch.tokens.numel()
         rec = {"step": step, **{k: round(float(v.detach()), 4) for k, v in out.items()}, "lr": lr_at(step - 1, cfg),
-               "tok_s": round(ntok / (time.time() - t0), 1)}
+               "tok_s": round(ntok / (time.time() - t0), 1), "examples": step * per_step}
         if cfg.layer_drop > 0:
             rec["dropped"] = sorted(drop)
         history.append(rec)
@@ -256,6 +256,9 @@ def train_drafter(target: str | None, data: Path, out: Path, run_dir: Path, laye
                             "data_response_tokens": sum(len(ex.response_ids) for ex in examples + extra),
                             "config": cfg.__dict__, "steps_done": len(history), "heldout_before": before,
                             "heldout_after": after}
-    save_drafter(drafter, out, max_file_mb=max_file_mb)
-    atomic_write_json(run_dir / "summary.json", drafter.cfg.training)
+    from accelerate import PartialState
+
+    if PartialState().is_main_process:  # one writer: every process holds the same averaged weights
+        save_drafter(drafter, out, max_file_mb=max_file_mb)
+        atomic_write_json(run_dir / "summary.json", drafter.cfg.training)
     return drafter.cfg.training
