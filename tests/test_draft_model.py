@@ -153,3 +153,11 @@ def test_a_known_target_drafts_with_its_sibling_by_default(tmp_path):
     assert drafter_path("draft-model", tmp_path / "Qwen2.5-Coder-1.5B-Instruct", str(tmp_path)) == tmp_path
     with pytest.raises(D3DError, match="method draft-model needs --draft-model"):
         method.check_drafter(None, "SmolLM2-135M-Instruct")
+
+
+def test_demo_and_serve_pick_a_known_targets_own_best_method(tmp_path):
+    from d3d.methods import BEST_METHOD, BEST_METHODS, best_method
+
+    assert best_method(None) == best_method("SmolLM2-135M-Instruct") == BEST_METHOD
+    assert best_method(tmp_path / "Qwen2.5-Coder-1.5B-Instruct") == BEST_METHODS["Qwen2.5-Coder-1.5B-Instruct"]
+    assert all(name in REGISTRY for name in BEST_METHODS.values())

@@ -12,6 +12,13 @@ for _module in ("engine", "ngram", "proposer", "async_engine", "tree", "ardraft"
     importlib.import_module(f".{_module}", __package__)  # each registers its method(s) on import
 
 BEST_METHOD = "lookup-tree"  # what `d3d demo` and `d3d serve` use by default (README: Results)
+BEST_METHODS = {"Qwen2.5-Coder-1.5B-Instruct": "d3d-tree"}  # targets whose measured best differs (README: Results)
+
+
+def best_method(target: str | Path | None) -> str:
+    """The fastest measured method for a target (by its name or folder name): BEST_METHODS, else BEST_METHOD."""
+    return BEST_METHODS.get(Path(str(target)).name, BEST_METHOD) if target else BEST_METHOD
+
 # baselines' drafters ship beside the D3D one, under the target's name + this suffix
 BASELINE_SUFFIX = {m.name: m.drafter_suffix for m in REGISTRY.values() if m.drafter_suffix}
 
