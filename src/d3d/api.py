@@ -15,7 +15,7 @@ import torch
 from .engine import GenerationResult, LogprobRecorder, validate_request
 from .errors import D3DError
 from .loading import load_target
-from .methods import BEST_METHOD, check_quantize_drafter, make_runner, parse_methods
+from .methods import best_method, check_quantize_drafter, make_runner, parse_methods
 from .registry import check_method_options, get
 from .prompts import encode_prompt
 from .verify import SamplingParams
@@ -120,7 +120,7 @@ class Generator:
         return f"Generator(model={self.name!r}, method={self.method!r})"
 
 
-def load(target: str | None = None, method: str = BEST_METHOD, drafter: str | None = None,
+def load(target: str | None = None, method: str | None = None, drafter: str | None = None,
          threads: int | None = None, device: str = "cpu", block_size: int = 16,
          quantize: str | None = None, compile: bool = False, quantize_drafter: str | None = None,
          tree_budget: int | None = None, datastore: str | None = None, ar_draft_k: int | None = None,
@@ -128,7 +128,7 @@ def load(target: str | None = None, method: str = BEST_METHOD, drafter: str | No
     """Load a target and a decoding method; returns a Generator (see Generator.generate).
 
     target: a Hugging Face model folder or .gguf file (None = the embedded SmolLM2-135M-Instruct);
-    method: a registered method name (d3d.registry; default: BEST_METHOD); drafter: checkpoint for drafter-based
+    method: a registered method name (d3d.registry; default: the target's best_method); drafter: checkpoint for drafter-based
     methods (None = the one shipped for the target), for draft-model the draft model (a known name, a HF
     folder or a .gguf file with the target's tokenizer); threads: torch CPU threads (None = leave torch's
     setting alone; it is process-wide); quantize: None (fp32) or "int8" (target and drafter);
@@ -137,7 +137,7 @@ def load(target: str | None = None, method: str = BEST_METHOD, drafter: str | No
     target's either way; None: the drafter follows `quantize`); tree_budget, datastore, ar_draft_k, draft_k:
     the methods' options, as `--tree-budget`, `--datastore PATH|none`, `--ar-draft-k` and `--draft-k` (None:
     fitted to this device; the shipped datastore; adaptive)."""
-    methods = parse_methods(method)
+    methods = parse_methods(method or best_method(target))
     if len(methods) != 1:
         raise D3DError("load takes exactly one method")
     if threads is not None:

@@ -222,7 +222,7 @@ def _serve(sub) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 = any free port")
     p.add_argument("--method", default=None,
-                   help=f"one of {', '.join(method_names())} (default: d3d.methods.BEST_METHOD)")
+                   help=f"one of {', '.join(method_names())} (default: the fastest measured for the target, d3d.methods.best_method)")
     p.add_argument("--max-queue", type=int, default=16,
                    help="requests that may wait behind the running one (>= 1; beyond: 503)")
     p.add_argument("--api-key", default=None,

@@ -181,14 +181,15 @@ def cmd_report(args: argparse.Namespace) -> None:
 
 def cmd_demo(args: argparse.Namespace) -> None:
     from ..demo import run_demo
+    from ..methods import best_method
 
     check_budget(args.max_new_tokens, 16)
-    run_demo(*open_target(args.target), args.max_new_tokens)
+    run_demo(*open_target(args.target), args.max_new_tokens, best_method(args.target))
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
     from ..api import load
-    from ..methods import BEST_METHOD
+    from ..methods import best_method
     from ..server import check_address, serve
     from ..server.security import check_api_key
 
@@ -212,7 +213,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     check_drafter(args.drafter)
     check_address(args.host, args.port)
     options = method_options(args)
-    method = args.method or BEST_METHOD
+    method = args.method or best_method(args.target)
     gen = load(args.target, method, drafter_for(method, args), device=args.device, block_size=args.block_size,
                quantize=args.quantize, compile=args.compile, quantize_drafter=args.quantize_drafter, **options)
     print(f"d3d serve: {gen.name} with method {gen.method} on http://{args.host}:{args.port} "
