@@ -16,7 +16,7 @@ from .checkpoints import umask_modes
 from .drafter import Drafter, DrafterConfig, drafter_class, model_state, tokenizer_fingerprint
 from .errors import D3DError
 from .fastpath import pack_linears
-from .lora import merge_factors
+from .lora import is_factor, merge_factors
 from .quantize import apply_quantize
 from .target import Transformer, rope_frequencies
 
@@ -45,7 +45,7 @@ def _trainable_state(d: Drafter) -> dict[str, torch.Tensor]:
     base model's, which installs by name."""
     if d.cfg.lora_rank:
         return {k: v for k, v in d.state_dict().items()
-                if k.endswith((".lora_a", ".lora_b")) or k in ("mask_embedding", "draft_ids")}
+                if is_factor(k) or k in ("mask_embedding", "draft_ids")}
     borrowed = () if d.cfg.own_embeddings else ("tok_embeddings.weight", "output.weight")
     shared = _layer_prefixes(d.cfg.from_target)
     return {k: v for k, v in d.state_dict().items() if k not in borrowed and not k.startswith(shared)}
@@ -133,7 +133,7 @@ def _merged_over_base(cfg: DrafterConfig, stored: dict[str, torch.Tensor]) -> di
     base = load_runtime(resolve_target(cfg.base_model), "cpu")
     if not all(0 <= i < base.args.n_layers for i in cfg.init_layers) or base.args.dim != cfg.model_args.dim:
         raise D3DError(f"drafter base model {cfg.base_model} does not match the drafter's layers or width")
-    factors = {k: stored.pop(k) for k in list(stored) if k.endswith((".lora_a", ".lora_b"))}
+    factors = {k: stored.pop(k) for k in list(stored) if is_factor(k)}
     state = model_state(base, cfg.init_layers, stored["draft_ids"]) | stored
     merge_factors(state, factors)
     return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}

@@ -53,24 +53,14 @@ def add_lora(model: nn.Module, layers: list[int], rank: int) -> None:
             setattr(parent, name, LoRALinear(getattr(parent, name), rank))
 
 
-def merge_lora(model: nn.Module) -> None:
-    """Replace every LoRALinear by its merged plain linear (in place)."""
-    for layer in model.layers:
-        for path in LINEARS:
-            parent, name = _parent(layer, path)
-            m = getattr(parent, name)
-            if isinstance(m, LoRALinear):
-                setattr(parent, name, m.merged())
-
-
-def lora_factors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapters' factors by state-dict key without the `.base` level, e.g.
-    layers.20.attention.wqkv.lora_a: what a delta checkpoint stores."""
-    return {k: v.detach() for k, v in model.state_dict().items() if k.endswith((".lora_a", ".lora_b"))}
+def is_factor(key: str) -> bool:
+    """Whether a state-dict key or parameter name is an adapter factor, e.g. layers.20.attention.wqkv.lora_a:
+    what a LoRA drafter trains and its checkpoint stores."""
+    return key.endswith((".lora_a", ".lora_b"))
 
 
 def merge_factors(state: dict[str, torch.Tensor], factors: dict[str, torch.Tensor]) -> None:
-    """Add SCALE * B A to each `<linear>.weight` in `state` for the factors saved by lora_factors."""
+    """Add SCALE * B A to each `<linear>.weight` in `state` for the stored factors (keys as is_factor's)."""
     for key, a in factors.items():
         if key.endswith(".lora_a"):
             stem = key[: -len(".lora_a")]

@@ -17,6 +17,7 @@ from .batches import TrainConfig, batch_to, draft_vocabulary, make_batch, target
 from .data import Example, atomic_write_json
 from .drafter import Drafter, bypassed
 from .errors import D3DError
+from .lora import is_factor
 from .losses import evaluate, losses
 
 
@@ -44,7 +45,7 @@ def trainable_parameters(model: Drafter, cfg: TrainConfig | None = None) -> list
     embedding only."""
     if model.cfg.lora_rank:
         for n, p in model.named_parameters():
-            p.requires_grad_(n.endswith((".lora_a", ".lora_b")) or n == "mask_embedding")
+            p.requires_grad_(is_factor(n) or n == "mask_embedding")
         return [p for p in model.parameters() if p.requires_grad]
     frozen = ("tok_embeddings", "output") + tuple(f"layers.{i}." for i in frozen_layers(model, cfg or TrainConfig()))
     for n, p in model.named_parameters():
