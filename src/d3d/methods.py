@@ -8,7 +8,7 @@ from .errors import D3DError
 from .registry import DEFAULT_DRAFTERS, REGISTRY, Runner, Setup, default_drafter, get  # noqa: F401 (re-exported)
 
 for _module in ("engine", "ngram", "proposer", "async_engine", "tree", "ardraft", "draftmodel", "dflash", "hf",
-                "llamacpp"):
+                "llamacpp", "suffix"):
     importlib.import_module(f".{_module}", __package__)  # each registers its method(s) on import
 
 BEST_METHOD = "lookup-tree"  # what `d3d demo` and `d3d serve` use by default (README: Results)

@@ -27,7 +27,7 @@ DEFAULT_DRAFTERS = Path(__file__).parent / "assets" / "drafters"
 BUILTIN: dict[str, str | None] = {
     "ar": None, "ngram": None, "d3d": "drafter", "d3d-async": "drafter", "d3d-tree": "drafter", "lookup-tree": None,
     "ar-draft": "ar-drafter", "dflash": "dflash-drafter", "hf": None, "hf-lookup": None,
-    "llama-cpp": None, "llama-cpp-q8": None, "draft-model": "draft-model",
+    "llama-cpp": None, "llama-cpp-q8": None, "draft-model": "draft-model", "suffix": None,
 }
 
 
