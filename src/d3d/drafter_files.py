@@ -24,11 +24,16 @@ CONFIG_NAME = "drafter.json"
 WEIGHTS_NAME = "drafter.safetensors"
 
 
-def weights_fingerprint(drafter_dir: str | Path) -> str:
-    """First 16 hex digits of the sha256 of a drafter's weights (its weight files in order): which
-    checkpoint a result came from."""
+def weights_fingerprint(checkpoint: str | Path) -> str:
+    """First 16 hex digits of the sha256 of a drafter's weights (its weight files in order), or of a draft
+    model's (a known name, HF folder or .gguf, as converted into the cache): which checkpoint a result came from."""
+    files = weight_files(checkpoint) if Path(checkpoint).is_dir() else []
+    if not files:
+        from .checkpoints import resolve_target
+
+        files = sorted(resolve_target(str(checkpoint)).glob("*.safetensors"))
     h = hashlib.sha256()
-    for f in weight_files(drafter_dir):
+    for f in files:
         h.update(f.read_bytes())
     return h.hexdigest()[:16]
 
