@@ -104,6 +104,7 @@ void rows() {
 
 int main() {
   std::printf("path %s\n", d3d::kernel_path());
+  std::printf("int8 %s\n", d3d::int8::int8_path());
   fp32_products();
   int8_products();
   rows();

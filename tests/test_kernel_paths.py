@@ -94,7 +94,7 @@ HARNESS = Path(__file__).with_name("kernel_harness.cpp")
 CSRC = Path(__file__).parents[1] / "src" / "d3d" / "csrc"
 FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", f"-I{CSRC}"]  # as d3d.kernels builds them
 NATIVE_FLAGS = {"scalar": ["-march=native", "-DD3D_SCALAR"], "avx512": ["-march=native"],
-                "avx2": ["-march=native", "-mno-avx512f"], "neon": ["-march=native"]}
+                "avx2": ["-march=native", "-mno-avx512f", "-mno-avxvnni"], "neon": ["-march=native"]}
 # aarch64 builds run under qemu: NEON with and without the dot-product extension (int8 sdot or plain loops)
 CROSS = {"neon+dotprod": ["-march=armv8.2-a+dotprod"], "neon": ["-march=armv8-a"],
          "scalar": ["-march=armv8-a", "-DD3D_SCALAR"]}
@@ -108,15 +108,24 @@ def harness_lines(compiler: str, flags: list[str], out: Path, runner: list[str] 
 @pytest.fixture(scope="module")
 def reference_lines(tmp_path_factory) -> list[str]:
     lines = harness_lines("g++", NATIVE_FLAGS["scalar"], tmp_path_factory.mktemp("harness") / "scalar")
-    assert lines[0] == "path scalar" and len(lines) > 20
-    return lines[1:]
+    assert lines[:2] == ["path scalar", "int8 scalar"] and len(lines) > 20
+    return lines[2:]
 
 
 @pytest.mark.parametrize("path", runnable_paths())
 def test_the_kernel_loops_give_the_plain_loops_bits_without_torch(path, reference_lines, tmp_path):
     lines = harness_lines("g++", NATIVE_FLAGS[path], tmp_path / path)
     assert lines[0] == f"path {path}"
-    assert lines[1:] == reference_lines
+    assert lines[2:] == reference_lines
+
+
+def test_the_avx_vnni_int8_products_give_the_plain_loops_bits(reference_lines, tmp_path):
+    """CPUs with AVX-VNNI but no AVX-512 (Intel's from Alder Lake on) run vpdpbusd on 256-bit registers."""
+    if "avx_vnni" not in cpu_flags():
+        pytest.skip(f"this CPU ({platform.processor()}) has no AVX-VNNI")
+    lines = harness_lines("g++", ["-march=native", "-mno-avx512f"], tmp_path / "avx-vnni")
+    assert lines[:2] == ["path avx2", "int8 avx-vnni"]
+    assert lines[2:] == reference_lines
 
 
 @pytest.mark.parametrize("build", CROSS)
@@ -133,5 +142,5 @@ def test_aarch64_builds_give_the_same_bits_under_qemu(build, reference_lines, tm
         pytest.skip(f"needs {' and '.join(missing)} (apt-get install g++-aarch64-linux-gnu qemu-user)")
     lines = harness_lines("aarch64-linux-gnu-g++", [*CROSS[build], "-static"], tmp_path / "harness",
                           runner=["qemu-aarch64", "-cpu", "max"])
-    assert lines[0] == f"path {build.split('+')[0]}"
-    assert lines[1:] == reference_lines
+    assert lines[:2] == [f"path {build.split('+')[0]}", f"int8 {'neon-dotprod' if '+' in build else 'scalar'}"]
+    assert lines[2:] == reference_lines

@@ -41,7 +41,7 @@ FP32_GROUP = 64  # outputs per packed fp32 group (four 512-bit registers)
 # keeps the fp32 layers on PyTorch (--quantize int8 still needs the kernels, built for this CPU).
 PATH_CHOICES = ("auto", "avx512", "avx2", "neon", "scalar", "pytorch")
 _PATH_FLAGS = {"auto": [], "avx512": [], "neon": [], "pytorch": [],
-               "avx2": ["-mno-avx512f"],  # also drops every AVX-512 extension
+               "avx2": ["-mno-avx512f", "-mno-avxvnni"],  # also drops every AVX-512 extension: a plain AVX2 CPU
                "scalar": ["-DD3D_SCALAR"]}
 
 
@@ -144,7 +144,10 @@ def kernel_path() -> str:
 
 def runtime_info(quantized: bool = False) -> dict:
     """The CPU and the kernel path, recorded with every result (`d3d generate --json`, bench, report)."""
-    return {"cpu": cpu_model(), "kernels": (built_path() or "none") if quantized else kernel_path()}
+    if not quantized:
+        return {"cpu": cpu_model(), "kernels": kernel_path()}
+    built = built_path()
+    return {"cpu": cpu_model(), "kernels": built or "none", "int8_kernels": torch.ops.d3d.int8_path() if built else "none"}
 
 
 def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -7,11 +7,15 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(D3D_SCALAR)
 #elif defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define D3D_INT8_PATH 1  // vpdpbusd on 512-bit registers: u8 x s8 products summed in fours, 16 outputs per op
+#elif defined(__AVXVNNI__)
+#include <immintrin.h>
+#define D3D_INT8_PATH 4  // AVX-VNNI: vpdpbusd on 256-bit registers (Intel client CPUs from Alder Lake on)
 #elif defined(__AVX2__)
 #include <immintrin.h>
 #define D3D_INT8_PATH 2  // vpmaddubsw on |q| x sign(q) w (pairs fit int16: 2 * 127 * 127), vpmaddwd to int32
@@ -23,9 +27,26 @@
 
 namespace d3d::int8 {
 
+// The int8 products' instructions in this build (several per vector path: VNNI or not, ARM's dot product or not).
+inline const char* int8_path() {
+#if D3D_INT8_PATH == 1
+  return "avx512-vnni";
+#elif D3D_INT8_PATH == 2
+  return "avx2";
+#elif D3D_INT8_PATH == 3
+  return "neon-dotprod";
+#elif D3D_INT8_PATH == 4
+  return "avx-vnni";
+#else
+  return "scalar";
+#endif
+}
+
 constexpr int64_t LANES = 16;
 #if D3D_INT8_PATH == 2
 constexpr int64_t MBLOCK = 4;  // two int32 sums per row, so 4 rows keep AVX2's 16 registers free of spills
+#elif D3D_INT8_PATH == 4
+constexpr int64_t MBLOCK = 6;  // two int32 sums per row: 12 accumulators, 2 weight registers, 1 activation
 #else
 constexpr int64_t MBLOCK = 8;
 #endif
@@ -34,14 +55,25 @@ constexpr int64_t MBLOCK = 8;
 // * w_scale[n] (+ bias[n]), in that order in every path (built with -ffp-contract=off). The integer sums are
 // exact in every path (only their order differs, which integers do not see), so all paths agree bitwise.
 template <int64_t mb>
-inline void block_out(const uint8_t* xq, int64_t K4, const int8_t* wb, int64_t nb, int64_t N, int64_t m0,
-               const int32_t* wsum, const float* wsc, const float* xs, const float* bias, float* y) {
+inline void block_out(const uint8_t* xq, const int8_t* qsm, int64_t K4, const int8_t* wb, int64_t nb, int64_t N,
+                      int64_t m0, const int32_t* wsum, const float* wsc, const float* xs, const float* bias, float* y) {
   const int64_t n0 = nb * LANES, nl = std::min(LANES, N - n0);
   int32_t sums[mb][LANES];
 #if D3D_INT8_PATH == 1
-  __m512i acc[mb];  // mb is a compile-time constant, so the accumulators stay in registers
+  // mb is a compile-time constant, so the accumulators stay in registers. With one row, even and odd k steps
+  // sum apart: a single chain of vpdpbusd would wait on its own latency every step.
+  __m512i acc[mb], odd = _mm512_setzero_si512();
   for (int64_t i = 0; i < mb; ++i) acc[i] = _mm512_setzero_si512();
-  for (int64_t kk = 0; kk < K4; ++kk) {
+  int64_t kk = 0;
+  if constexpr (mb == 1)
+    for (; kk + 1 < K4; kk += 2) {
+      int32_t a, b;
+      std::memcpy(&a, xq + m0 * K4 * 4 + kk * 4, 4);
+      std::memcpy(&b, xq + m0 * K4 * 4 + kk * 4 + 4, 4);
+      acc[0] = _mm512_dpbusd_epi32(acc[0], _mm512_set1_epi32(a), _mm512_loadu_si512(wb + kk * 64));
+      odd = _mm512_dpbusd_epi32(odd, _mm512_set1_epi32(b), _mm512_loadu_si512(wb + kk * 64 + 64));
+    }
+  for (; kk < K4; ++kk) {
     const __m512i w = _mm512_loadu_si512(wb + kk * 64);
     for (int64_t i = 0; i < mb; ++i) {
       int32_t a;
@@ -49,6 +81,7 @@ inline void block_out(const uint8_t* xq, int64_t K4, const int8_t* wb, int64_t n
       acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_set1_epi32(a), w);
     }
   }
+  acc[0] = _mm512_add_epi32(acc[0], odd);
   // the u8 activations are q + 128: take 128 * sum(w) back out
   const __mmask16 mask = __mmask16((1u << nl) - 1);
   const __m512i zero_point = _mm512_mullo_epi32(_mm512_set1_epi32(128), _mm512_maskz_loadu_epi32(mask, wsum + n0));
@@ -56,15 +89,15 @@ inline void block_out(const uint8_t* xq, int64_t K4, const int8_t* wb, int64_t n
 #elif D3D_INT8_PATH == 2
   __m256i acc[mb][2];
   for (int64_t i = 0; i < mb; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
-  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(char(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t kk = 0; kk < K4; ++kk) {
     const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + kk * 64));
     const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + kk * 64 + 32));
     for (int64_t i = 0; i < mb; ++i) {
-      int32_t a;
-      std::memcpy(&a, xq + (m0 + i) * K4 * 4 + kk * 4, 4);
-      const __m256i q = _mm256_xor_si256(_mm256_set1_epi32(a), flip);  // u8 q + 128 -> s8 q
-      const __m256i mag = _mm256_abs_epi8(q);
+      int32_t a, b;  // four q (s8) and their four |q|, broadcast straight from memory
+      std::memcpy(&a, qsm + (m0 + i) * K4 * 8 + kk * 4, 4);
+      std::memcpy(&b, qsm + (m0 + i) * K4 * 8 + K4 * 4 + kk * 4, 4);
+      const __m256i q = _mm256_set1_epi32(a), mag = _mm256_set1_epi32(b);
       const __m256i p0 = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(w0, q));  // q * w, adjacent pairs summed
       const __m256i p1 = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(w1, q));
       acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(p0, ones));  // and pairs of pairs, in int32
@@ -74,6 +107,40 @@ inline void block_out(const uint8_t* xq, int64_t K4, const int8_t* wb, int64_t n
   for (int64_t i = 0; i < mb; ++i) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums[i]), acc[i][0]);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums[i] + 8), acc[i][1]);
+  }
+#elif D3D_INT8_PATH == 4
+  __m256i acc[mb][2], odd0 = _mm256_setzero_si256(), odd1 = _mm256_setzero_si256();  // odd: as in path 1
+  for (int64_t i = 0; i < mb; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+  int64_t kk = 0;
+  if constexpr (mb == 1)
+    for (; kk + 1 < K4; kk += 2) {
+      int32_t a, b;
+      std::memcpy(&a, xq + m0 * K4 * 4 + kk * 4, 4);
+      std::memcpy(&b, xq + m0 * K4 * 4 + kk * 4 + 4, 4);
+      const __m256i qa = _mm256_set1_epi32(a), qb = _mm256_set1_epi32(b);
+      const __m256i* w = reinterpret_cast<const __m256i*>(wb + kk * 64);
+      acc[0][0] = _mm256_dpbusd_avx_epi32(acc[0][0], qa, _mm256_loadu_si256(w));
+      acc[0][1] = _mm256_dpbusd_avx_epi32(acc[0][1], qa, _mm256_loadu_si256(w + 1));
+      odd0 = _mm256_dpbusd_avx_epi32(odd0, qb, _mm256_loadu_si256(w + 2));
+      odd1 = _mm256_dpbusd_avx_epi32(odd1, qb, _mm256_loadu_si256(w + 3));
+    }
+  for (; kk < K4; ++kk) {
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + kk * 64));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + kk * 64 + 32));
+    for (int64_t i = 0; i < mb; ++i) {
+      int32_t a;
+      std::memcpy(&a, xq + (m0 + i) * K4 * 4 + kk * 4, 4);
+      const __m256i q = _mm256_set1_epi32(a);
+      acc[i][0] = _mm256_dpbusd_avx_epi32(acc[i][0], q, w0);
+      acc[i][1] = _mm256_dpbusd_avx_epi32(acc[i][1], q, w1);
+    }
+  }
+  acc[0][0] = _mm256_add_epi32(acc[0][0], odd0);
+  acc[0][1] = _mm256_add_epi32(acc[0][1], odd1);
+  for (int64_t i = 0; i < mb; ++i) {  // the u8 activations are q + 128: take 128 * sum(w) back out
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums[i]), acc[i][0]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums[i] + 8), acc[i][1]);
+    for (int64_t l = 0; l < nl; ++l) sums[i][l] -= 128 * wsum[n0 + l];
   }
 #elif D3D_INT8_PATH == 3
   int32x4_t acc[mb][4];
@@ -138,9 +205,20 @@ inline float quantize_row(const float* row, const float* smooth, int64_t K, int6
 // Blocks b0 .. b1 - 1 (16 outputs each) of y [M, N] for the quantized rows qp [M, 4 K4]: one thread's share.
 inline void blocks(const uint8_t* qp, int64_t M, int64_t K4, const int8_t* wp, int64_t N, const int32_t* wsum,
                    const float* wsc, const float* xs, const float* bp, float* yp, int64_t b0, int64_t b1) {
+  std::vector<int8_t> qsm;  // path 2: each row's q (s8) then |q|, made once here rather than per 16 outputs
+#if D3D_INT8_PATH == 2
+  const int64_t Kp = K4 * 4;
+  qsm.resize(M * 2 * Kp);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < Kp; ++k) {
+      const int32_t q = int32_t(qp[m * Kp + k]) - 128;
+      qsm[m * 2 * Kp + k] = int8_t(q);
+      qsm[m * 2 * Kp + Kp + k] = int8_t(q < 0 ? -q : q);
+    }
+#endif
   for (int64_t nb = b0; nb < b1; ++nb)
     for (int64_t m0 = 0; m0 < M; m0 += MBLOCK)
-      block_rows(std::min(MBLOCK, M - m0), qp, K4, wp + nb * K4 * 64, nb, N, m0, wsum, wsc, xs, bp, yp);
+      block_rows(std::min(MBLOCK, M - m0), qp, qsm.data(), K4, wp + nb * K4 * 64, nb, N, m0, wsum, wsc, xs, bp, yp);
 }
 
 }  // namespace d3d::int8

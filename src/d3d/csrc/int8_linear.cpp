@@ -43,6 +43,7 @@ TORCH_LIBRARY(d3d, m) {
   m.def("layer(Tensor x, Tensor[] params, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor inv_freq, "
         "Tensor positions, Tensor? mask, int start, int n_heads, float eps) -> Tensor");
   m.def("kernel_path() -> str", [] { return std::string(d3d::kernel_path()); });
+  m.def("int8_path() -> str", [] { return std::string(d3d::int8::int8_path()); });
 }
 
 TORCH_LIBRARY_IMPL(d3d, CPU, m) { m.impl("int8_linear", &d3d::int8_linear); }
