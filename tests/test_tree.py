@@ -194,7 +194,8 @@ def test_greedy_equals_plain_decoding_on_real_prompts(smol, prompt_ids, short_an
     model, tok, model_dir = smol
     tree = make_runner("d3d-tree", model, tok, model_dir, tree_budget=24)
     assert tree.settings == {"block_size": 16, "tree_budget": 24, "draft_slots": None, "tree_width_cost_s": None,
-                             "datastore": str(shipped_datastore(model_dir).resolve())}
+                             "datastore": str(shipped_datastore(model_dir).resolve()), "learn": True,
+                             "learn_tokens": 65536}
     branches = Counter()
     for ids in prompt_ids[:1] + prompt_ids[-1:]:
         ar = generate(model, tok, ids, GREEDY, 32)
@@ -320,5 +321,6 @@ def test_a_tree_cut_to_two_nodes_keeps_the_law(tiny):
     params = SamplingParams(temperature=0.8, top_k=5, top_p=0.9)
     proposer = TreeProposer(D3DProposer(tiny_drafter(tiny_model(noise=0.08)), V, max_len=64), budget=2,
                             draft_slots=2, datastore=tiny_datastore(tiny, [1, 2, 3, 1, 2]))
-    samples, _ = draw(tree_run(tiny, proposer), params, 1200, 4)
+    samples, rounds = draw(tree_run(tiny, proposer), params, 1200, 4)
+    assert sum(n for length, n in rounds.items() if length > 1) > 100  # its one node really was accepted
     assert chi2_pvalue(samples, exact_law(tiny, [1, 2, 3, 1, 2], params, 4, EOS)) > 1e-3

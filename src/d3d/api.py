@@ -2,7 +2,9 @@
 
 `load` reads the target once (and the drafter, for drafter-based methods); the returned `Generator`
 answers prompts one at a time (a lock serialises callers from several threads, since the target's KV
-cache is shared). The server (d3d.server) drives the same object.
+cache is shared). The server (d3d.server) drives the same object. With `learn` (the default), the tree
+methods (lookup-tree, d3d-tree) also retrieve drafts from the Generator's own earlier answers (bounded:
+`learn_tokens`; `Generator.forget()` empties it); the output is the target's either way.
 """
 from __future__ import annotations
 
@@ -116,6 +118,14 @@ class Generator:
 
     __call__ = generate
 
+    def forget(self) -> bool:
+        """Drop what the method learned from this Generator's earlier generations (lookup-tree, d3d-tree
+        with learning on, suffix); False if it learns nothing."""
+        from .bench import forget_history
+
+        with self._lock:
+            return forget_history(self.runner)
+
     def __repr__(self) -> str:
         return f"Generator(model={self.name!r}, method={self.method!r})"
 
@@ -124,7 +134,7 @@ def load(target: str | None = None, method: str | None = None, drafter: str | No
          threads: int | None = None, device: str = "cpu", block_size: int = 16,
          quantize: str | None = None, compile: bool = False, quantize_drafter: str | None = None,
          tree_budget: int | None = None, datastore: str | None = None, ar_draft_k: int | None = None,
-         draft_k: int | None = None) -> Generator:
+         draft_k: int | None = None, learn: bool | None = True, learn_tokens: int | None = None) -> Generator:
     """Load a target and a decoding method; returns a Generator (see Generator.generate).
 
     target: a Hugging Face model folder or .gguf file (None = the embedded SmolLM2-135M-Instruct);
@@ -136,7 +146,9 @@ def load(target: str | None = None, method: str | None = None, drafter: str | No
     quantize_drafter: "int8" for an int8 drafter whatever the target's precision (the output is the
     target's either way; None: the drafter follows `quantize`); tree_budget, datastore, ar_draft_k, draft_k:
     the methods' options, as `--tree-budget`, `--datastore PATH|none`, `--ar-draft-k` and `--draft-k` (None:
-    fitted to this device; the shipped datastore; adaptive)."""
+    fitted to this device; the shipped datastore; adaptive); learn: the tree methods also retrieve from
+    this Generator's own earlier answers (False: only the datastore and the prompt, as `--no-learn`),
+    keeping at most `learn_tokens` tokens of them (None: d3d.datastore.LEARN_TOKENS, oldest dropped first)."""
     methods = parse_methods(method or best_method(target))
     if len(methods) != 1:
         raise D3DError("load takes exactly one method")
@@ -147,6 +159,9 @@ def load(target: str | None = None, method: str | None = None, drafter: str | No
     get(methods[0]).check_drafter(drafter, target)
     options = check_method_options({"tree_budget": tree_budget, "ar_draft_k": ar_draft_k, "draft_k": draft_k,
                                     "datastore": datastore})
+    if learn_tokens is not None and learn_tokens < 2:
+        raise D3DError(f"learn_tokens must be >= 2 (got {learn_tokens})")
+    options |= {"learn": learn is not False, "learn_tokens": learn_tokens}  # None (the CLI's default): on
     check_quantize_drafter(quantize_drafter, methods)
     model, tok, model_dir = load_target(target, device, quantize=quantize, compile=compile)
     runner = make_runner(methods[0], model, tok, model_dir, drafter=drafter, block_size=block_size,

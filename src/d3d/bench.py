@@ -11,8 +11,18 @@ prompt, and turn k > 1 is asked in a chat holding the earlier turns and the targ
 to them (at temperature 0 that is the measured AR generation itself; when sampling, an extra unrecorded
 greedy AR generation).
 
+Methods that learn from earlier generations (lookup-tree and d3d-tree by default, suffix) learn from
+their own outputs only: each runner has its own store, and the harness never feeds it another method's
+(nor `ar`'s) output. The warm-up runs on WARMUP_PROMPT, which no benchmark measures, and every runner
+forgets what it learned at the start of each benchmark (forget_history), so a benchmark is one stream
+in order, the same whichever benchmarks ran before it (the `history` workload reuses MT-Bench and
+HumanEval prompts: without it, `--benchmarks history,humaneval` would measure HumanEval on answers the
+methods had already learned).
+
 A long run resumes: every finished generation is appended to a journal (one JSON line each, flushed),
-and a rerun with the same settings replays the journal instead of generating again.
+and a rerun with the same settings replays the journal instead of generating again; a replayed
+generation is also fed to its own runner's `learn`, so a resumed run learns what the interrupted one
+had (methods without `learn`, e.g. suffix, resume without the replayed generations' history).
 """
 from __future__ import annotations
 
@@ -30,7 +40,7 @@ from .data import atomic_write_bytes
 from .engine import GenerationResult, validate_request
 from .errors import D3DError
 from .kernels import runtime_info
-from .prompts import BenchItem, MultiTurn, encode_prompt, first_turn
+from .prompts import BenchItem, MultiTurn, encode_prompt
 from .registry import Runner
 from .verify import SamplingParams
 
@@ -149,6 +159,26 @@ def _prompt_row(benchmark: str, method: str, index: int, r: GenerationResult, sa
     return row
 
 
+WARMUP_PROMPT = "Warm-up: reply with one short greeting."  # not a benchmark prompt: nothing measured is seen
+
+
+def forget_history(runner) -> bool:
+    """Make a runner forget what it learned from earlier generations; False if it has nothing to forget.
+    A runner's own `forget()` (lookup-tree, d3d-tree), else for the suffix method (its runner's proposer
+    holds an arctic-inference SuffixDecodingCache) every cached response evicted from the global tree."""
+    forget = getattr(runner, "forget", None)
+    if callable(forget):
+        forget()
+        return True
+    owner = getattr(getattr(runner, "fn", runner), "__self__", None)
+    cache = getattr(getattr(owner, "proposer", None), "cache", None)
+    if cache is not None and hasattr(cache, "evict_cached_response") and hasattr(cache, "cached_requests"):
+        for request in list(cache.cached_requests):
+            cache.evict_cached_response(request)
+        return True
+    return False
+
+
 def _tpot(results: list[GenerationResult]) -> float:
     decoded = sum(max(1, r.new_tokens - 1) for r in results)
     return sum(r.decode_s for r in results) / decoded
@@ -214,14 +244,16 @@ def run_bench(model, tokenizer, runners: dict[str, Runner], prompts: dict[str, l
 
     done, log = open_journal(journal, {**(header or {}), "prompts": _fingerprint(prompts)}) \
         if journal is not None else ({}, None)
-    first = encode_prompt(tokenizer, first_turn(next(item for items in prompts.values() for item in items)), raw)
-    for m in methods:  # warm-up (allocations, lazy init), not recorded
-        runners[m](first, params=params, max_new_tokens=min(max_new_tokens, 8))
+    warmup = encode_prompt(tokenizer, WARMUP_PROMPT, raw)
+    for m in methods:  # warm-up (allocations, lazy init), not recorded, on a prompt no benchmark measures
+        runners[m](warmup, params=params, max_new_tokens=min(max_new_tokens, 8))
 
     total = sum(len(_turns(item)) for items in prompts.values() for item in items) * len(methods)
     bar = tqdm(total=total, initial=len(done), desc="bench", unit="gen", disable=not progress)
     results, per_prompt = [], []
     for benchmark, items in prompts.items():
+        for m in methods:  # a benchmark is one stream: nothing learned from the warm-up or earlier benchmarks
+            forget_history(runners[m])
         outs: dict[str, list[GenerationResult]] = {m: [] for m in methods}
         i = 0  # measured prompt index within the benchmark
         for item_index, item in enumerate(items):
@@ -242,6 +274,8 @@ def run_bench(model, tokenizer, runners: dict[str, Runner], prompts: dict[str, l
                             log.write(json.dumps({"key": key, "result": r.to_json()}) + "\n")
                             log.flush()
                         bar.update()
+                    elif callable(getattr(runners[m], "learn", None)):  # replayed: learn it as if generated
+                        runners[m].learn(ids, r.token_ids)
                     outs[m].append(r)
                     per_prompt.append(_prompt_row(benchmark, m, i, r, save_outputs, *multi))
                     bar.set_postfix_str(f"{benchmark} {m} tau={r.tau:.2f}")

@@ -14,6 +14,13 @@ Layout of a datastore file (`d3d datastore` writes it, numpy .npz):
 The index is rebuilt on load (one argsort, about 0.3 s for 2M tokens): position i's key packs tokens
 i, i-1, ..., i-n+1 into one uint64, latest token in the highest bits, so the positions whose last m <= n
 tokens equal the text's last m tokens form one contiguous range of the sorted keys.
+
+A LearnedStore is the same retrieval over what the target has generated since it was created (a method
+runner's lifetime: one `d3d bench` run of a method, a server, a `d3d.load` Generator): every finished
+generation's last prompt tokens and response join it at once, incrementally (the keys of the new tokens
+only; a lookup scans the keys in position order, so the latest matches are the ones examined), and the
+oldest generations leave it first once it holds more than `max_tokens` tokens (FIFO), so its memory
+stays bounded (12 bytes a token: 0.8 MB for the default LEARN_TOKENS).
 """
 from __future__ import annotations
 
@@ -21,7 +28,7 @@ import io
 import json
 import zipfile
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +39,7 @@ from .errors import D3DError
 PROMPT_TAIL = 16     # prompt tokens kept before each response (the chat template's assistant header)
 MAX_MATCHES = 64     # matched positions examined per lookup (the last in index order: the latest on a full key)
 MAX_MATCH_LEN = 16   # a match is extended backwards up to this many tokens
+LEARN_TOKENS = 1 << 16  # tokens a LearnedStore holds by default (the oldest generations leave first)
 SHIPPED = Path(__file__).parent / "assets" / "datastores"
 
 
@@ -43,17 +51,85 @@ class Continuation:
     tokens: list[int]
     match_len: int
     shares: list[float]
+    counts: list[int] = field(default_factory=list)  # per token: the matches still agreeing up to it
 
 
-class Datastore:
+def _key_layout(vocab_size: int) -> tuple[int, int, int]:
+    """(bits per token, SEP, tokens per uint64 key) for a vocabulary: 2**bits - 1 >= vocab_size, so SEP,
+    the all-ones id, is never a token."""
+    bits = int(vocab_size).bit_length()
+    n_key = 64 // bits
+    if n_key < 1:
+        raise D3DError(f"vocabulary of {vocab_size} tokens is too large for a datastore key")
+    return bits, (1 << bits) - 1, n_key
+
+
+class _Retrieval:
+    """The lookup shared by Datastore and LearnedStore. A subclass has `tokens` (its token array, SEP
+    between examples, at least MAX_MATCH_LEN + 1 SEPs after the last token), `sep`, `n_key`, and
+    `_matches(text)`: (positions whose last m tokens equal the text's last m, for the largest m that has
+    any, at most MAX_MATCHES of them; m) or None."""
+
+    tokens: np.ndarray
+    sep: int
+    n_key: int
+
+    def _matches(self, text: list[int]) -> tuple[np.ndarray, int] | None:
+        raise NotImplementedError
+
+    def lookup(self, text: list[int], k: int, branches: int = 2) -> list[Continuation]:
+        """Up to `branches` continuations (at most k <= MAX_MATCH_LEN + 1 tokens each) of the text's longest
+        suffix found in the store: the first token's `branches` most frequent choices among the longest
+        matches, each followed by the most frequent path among the matches that agree with it so far."""
+        k = min(k, MAX_MATCH_LEN + 1)  # the padding after the last example
+        if k < 1 or not text:
+            return []
+        if any(t >= self.sep or t < 0 for t in text[-min(self.n_key, len(text)):]):
+            return []
+        found = self._matches(text)
+        if found is None:
+            return []
+        pos, m = found
+        match = np.full(len(pos), m)
+        span = min(MAX_MATCH_LEN, len(text)) - m if m == self.n_key else 0
+        if span > 0:  # extend the matches backwards: the count of leading agreements before the key
+            back = self.tokens[np.maximum(pos[:, None] - np.arange(m, m + span), 0)]
+            back[pos[:, None] - np.arange(m, m + span) < 0] = -1
+            agree = back == np.asarray(text[-1 - m:-1 - m - span:-1] if m + span < len(text) else text[-1 - m::-1])
+            match += np.where(agree.all(1), span, agree.argmin(1))
+        best = int(match.max())
+        follow = self.tokens[pos[match == best][:, None] + 1 + np.arange(k)].tolist()
+        firsts = Counter(row[0] for row in follow)
+        out = []
+        for first, count in firsts.most_common(branches):
+            if first == self.sep:
+                continue
+            rows = [row for row in follow if row[0] == first]
+            toks, shares, counts = [first], [count / len(follow)], [count]
+            for d in range(1, k):
+                if len(rows) == 1:  # one match left: the rest of its row (the usual case after a few tokens)
+                    rest = rows[0][d:]
+                    rest = rest[:rest.index(self.sep)] if self.sep in rest else rest
+                    toks += rest
+                    shares += [1.0] * len(rest)
+                    counts += [1] * len(rest)
+                    break
+                token, c = Counter(row[d] for row in rows).most_common(1)[0]
+                if token == self.sep:
+                    break
+                toks.append(token)
+                shares.append(c / len(rows))
+                counts.append(c)
+                rows = [row for row in rows if row[d] == token]
+            out.append(Continuation(toks, best, shares, counts))
+        return out
+
+
+class Datastore(_Retrieval):
     """A token array of the target's outputs with a suffix index for continuation lookups."""
 
     def __init__(self, tokens: np.ndarray, vocab_size: int, meta: dict | None = None):
-        self.bits = int(vocab_size).bit_length()  # 2**bits - 1 >= vocab_size: SEP is never a token
-        self.sep = (1 << self.bits) - 1
-        self.n_key = 64 // self.bits
-        if self.n_key < 1:
-            raise D3DError(f"vocabulary of {vocab_size} tokens is too large for a datastore key")
+        self.bits, self.sep, self.n_key = _key_layout(vocab_size)
         self.vocab_size, self.meta = int(vocab_size), meta or {}
         tail = np.full(MAX_MATCH_LEN + 1, self.sep, dtype=np.int64)  # lookups read past the end
         self.tokens = np.concatenate([tokens, tail]).astype(np.int32)
@@ -77,53 +153,101 @@ class Datastore:
         return (int(np.searchsorted(self.keys, np.uint64(lo), "left")),
                 int(np.searchsorted(self.keys, np.uint64(hi), "right")))
 
-    def lookup(self, text: list[int], k: int, branches: int = 2) -> list[Continuation]:
-        """Up to `branches` continuations (at most k <= MAX_MATCH_LEN + 1 tokens each) of the text's longest
-        suffix found in the datastore: the first token's `branches` most frequent choices among the longest
-        matches, each followed by the most frequent path among the matches that agree with it so far."""
-        k = min(k, MAX_MATCH_LEN + 1)  # the padding after the last example
-        if k < 1 or not text:
-            return []
+    def _matches(self, text: list[int]) -> tuple[np.ndarray, int] | None:
         for m in range(min(self.n_key, len(text)), 0, -1):
-            if any(t >= self.sep or t < 0 for t in text[-m:]):
-                return []
             a, b = self._range(text[-m:])
-            if b > a:
-                break
-        else:
-            return []
-        pos = self.order[a:b][-MAX_MATCHES:]
-        match = np.full(len(pos), m)
-        span = min(MAX_MATCH_LEN, len(text)) - m if m == self.n_key else 0
-        if span > 0:  # extend the matches backwards: the count of leading agreements before the key
-            back = self.tokens[np.maximum(pos[:, None] - np.arange(m, m + span), 0)]
-            back[pos[:, None] - np.arange(m, m + span) < 0] = -1
-            agree = back == np.asarray(text[-1 - m:-1 - m - span:-1] if m + span < len(text) else text[-1 - m::-1])
-            match += np.where(agree.all(1), span, agree.argmin(1))
-        best = int(match.max())
-        follow = self.tokens[pos[match == best][:, None] + 1 + np.arange(k)].tolist()
-        firsts = Counter(row[0] for row in follow)
-        out = []
-        for first, count in firsts.most_common(branches):
-            if first == self.sep:
-                continue
-            rows = [row for row in follow if row[0] == first]
-            toks, shares = [first], [count / len(follow)]
-            for d in range(1, k):
-                if len(rows) == 1:  # one match left: the rest of its row (the usual case after a few tokens)
-                    rest = rows[0][d:]
-                    rest = rest[:rest.index(self.sep)] if self.sep in rest else rest
-                    toks += rest
-                    shares += [1.0] * len(rest)
-                    break
-                token, c = Counter(row[d] for row in rows).most_common(1)[0]
-                if token == self.sep:
-                    break
-                toks.append(token)
-                shares.append(c / len(rows))
-                rows = [row for row in rows if row[d] == token]
-            out.append(Continuation(toks, best, shares))
-        return out
+            if b > a:  # the last MAX_MATCHES in index order: the latest on a full key
+                return self.order[a:b][-MAX_MATCHES:], m
+        return None
+
+
+class LearnedStore(_Retrieval):
+    """Retrieval from what the target generated since the store was created (see the module doc): `add`
+    each finished generation, `lookup` as a Datastore's, `forget` to empty it. At most `max_tokens`
+    tokens (SEPs included) are kept: the oldest generations leave first, and a generation longer than
+    that keeps its last `max_tokens` tokens."""
+
+    def __init__(self, vocab_size: int, max_tokens: int = LEARN_TOKENS):
+        if max_tokens < 2:
+            raise D3DError(f"a learned store must hold at least 2 tokens (got {max_tokens})")
+        self.bits, self.sep, self.n_key = _key_layout(vocab_size)
+        self.vocab_size, self.max_tokens = int(vocab_size), int(max_tokens)
+        self.generations = 0  # added since creation (or the last forget), evicted ones included
+        self.forget()
+
+    def __len__(self) -> int:
+        return self.n
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by its arrays (bounded: at most 12 * (max_tokens + MAX_MATCH_LEN + 1) after growth)."""
+        return self.tokens.nbytes + self.keys.nbytes
+
+    def forget(self) -> None:
+        """Drop everything learned."""
+        self.n, self.starts, self.generations = 0, [], 0  # starts: each kept generation's first position
+        self._alloc(0)
+
+    def _alloc(self, capacity: int) -> None:
+        """Arrays for `capacity` tokens (and the SEP tail lookups read past the end), keeping the first n."""
+        size = capacity + MAX_MATCH_LEN + 1
+        tokens, keys = np.full(size, self.sep, dtype=np.int32), np.zeros(size, dtype=np.uint64)
+        if self.n and hasattr(self, "tokens"):
+            tokens[:self.n], keys[:self.n] = self.tokens[:self.n], self.keys[:self.n]
+        self.tokens, self.keys = tokens, keys
+
+    def add(self, prompt_ids: list[int], response_ids: list[int]) -> None:
+        """Learn one finished generation: the prompt's last PROMPT_TAIL tokens (the chat template's
+        assistant header) and the whole response, then SEP, as example_tokens lays out a datastore's."""
+        if not response_ids:
+            return
+        new = [int(t) for t in list(prompt_ids)[-PROMPT_TAIL:] + list(response_ids)]
+        if any(t < 0 or t >= self.vocab_size for t in new):
+            raise D3DError(f"token ids outside the vocabulary of {self.vocab_size} cannot be learned")
+        new = (new + [self.sep])[-self.max_tokens:]
+        self.generations += 1
+        drop = 0
+        while self.starts and self.n - drop + len(new) > self.max_tokens:  # FIFO: whole generations
+            self.starts.pop(0)
+            drop = self.starts[0] if self.starts else self.n
+        if drop:
+            self.tokens[:self.n - drop] = self.tokens[drop:self.n].copy()
+            self.keys[:self.n - drop] = self.keys[drop:self.n].copy()
+            self.tokens[self.n - drop:self.n] = self.sep
+            self.n -= drop
+            self.starts = [p - drop for p in self.starts]
+        if self.n + len(new) > len(self.tokens) - MAX_MATCH_LEN - 1:  # grow geometrically, up to the cap
+            self._alloc(min(self.max_tokens, max(2 * (len(self.tokens) - MAX_MATCH_LEN - 1), self.n + len(new),
+                                                 1024)))
+        start, end = self.n, self.n + len(new)
+        self.tokens[start:end] = new
+        lo = max(0, start - (self.n_key - 1))  # the key of a new token holds up to n_key - 1 tokens before it
+        window = np.concatenate([np.full(self.n_key - 1 - (start - lo), self.sep, dtype=np.int64),
+                                 self.tokens[lo:end].astype(np.int64)])
+        keys = np.zeros(len(new), dtype=np.uint64)
+        for j in range(self.n_key):  # as Datastore's keys: token i - j in bits [64 - bits * (j + 1), 64 - bits * j)
+            keys |= window[self.n_key - 1 - j:self.n_key - 1 - j + len(new)].astype(np.uint64) \
+                << np.uint64(64 - self.bits * (j + 1))
+        self.keys[start:end] = keys
+        self.starts.append(start)
+        self.n = end
+
+    def _matches(self, text: list[int]) -> tuple[np.ndarray, int] | None:
+        if not self.n:
+            return None
+        m_max = min(self.n_key, len(text))
+        target = 0
+        for j, t in enumerate(reversed(text[-m_max:])):
+            target |= int(t) << (64 - self.bits * (j + 1))
+        cand = np.flatnonzero(self.tokens[:self.n] == text[-1])  # the last token matches: one int32 pass
+        if not len(cand):
+            return None
+        diff = self.keys[cand] ^ np.uint64(target)
+        for m in range(m_max, 0, -1):
+            hit = cand[diff >> np.uint64(64 - self.bits * m) == 0]
+            if len(hit):
+                return hit[-MAX_MATCHES:], m  # positions in order: the latest generations' matches
+        return None
 
 
 def separator(vocab_size: int) -> int:

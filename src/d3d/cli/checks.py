@@ -54,9 +54,13 @@ def check_budget(max_new_tokens: int, block_size: int) -> None:
 
 def method_options(args: argparse.Namespace) -> dict:
     """The method options given (--tree-budget for d3d-tree and lookup-tree, --ar-draft-k for ar-draft,
-    --draft-k for draft-model, --datastore for both trees), checked; each method reads its own from its Setup."""
+    --draft-k for draft-model, --datastore, --no-learn and --learn-tokens for both trees), checked; each
+    method reads its own from its Setup (learning is on unless --no-learn: None leaves the default)."""
+    if args.learn_tokens is not None and args.learn_tokens < 2:
+        raise D3DError(f"--learn-tokens must be >= 2 (got {args.learn_tokens})")
     options = {"tree_budget": args.tree_budget, "ar_draft_k": args.ar_draft_k, "draft_k": args.draft_k,
-               "datastore": args.datastore}
+               "datastore": args.datastore, "learn": False if args.no_learn else None,
+               "learn_tokens": args.learn_tokens}
     return check_method_options(options, lambda name: "--" + name.replace("_", "-"))
 
 

@@ -51,6 +51,13 @@ def _add_method_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--datastore", default=None, metavar="PATH|none",
                    help="d3d-tree, lookup-tree: retrieve continuations from this datastore (`d3d datastore` "
                         "builds one; default: the one shipped for the target; none: no retrieval)")
+    p.add_argument("--no-learn", action="store_true",
+                   help="d3d-tree, lookup-tree: do not also retrieve from this run's own earlier generations "
+                        "(default: every finished generation joins a bounded index of the method's own, which "
+                        "changes drafts only, never the output)")
+    p.add_argument("--learn-tokens", type=int, default=None, metavar="N",
+                   help="d3d-tree, lookup-tree: tokens of earlier generations kept for retrieval, the oldest "
+                        "dropped first (default 65536, about 0.8 MB)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, seed: int | None) -> None:
@@ -81,7 +88,8 @@ def _bench(sub) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompts", help='JSONL file, one {"prompt": ...} per line')
     src.add_argument("--benchmarks", help="comma-separated among gsm8k,math500,humaneval,mt-bench,sharegpt "
-                                          "(default: all)")
+                                          "(default: all) and history (MT-Bench chats and HumanEval code edits "
+                                          "as one stream, where earlier answers matter)")
     p.add_argument("--methods", default="ar,ngram",
                    help=f"comma-separated among {', '.join(method_names())}; ar is always added as reference")
     p.add_argument("--drafters", nargs="+", default=None, metavar="NAME=PATH",
@@ -218,7 +226,14 @@ def _prune(sub) -> None:
 
 
 def _serve(sub) -> None:
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with streaming, a live web page and /metrics")
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with streaming, a live web page and /metrics",
+                       description="OpenAI-compatible HTTP server with streaming, a live web page and /metrics. "
+                                   "Requests share one thing: with lookup-tree and d3d-tree (and suffix), drafts are "
+                                   "also retrieved from earlier requests' answers (at most --learn-tokens tokens, "
+                                   "the oldest dropped first). Only drafts: every answer is the target's own "
+                                   "either way, but a request's speed can depend on what earlier requests "
+                                   "generated; --no-learn turns it off (suffix always learns: do not serve it "
+                                   "to clients who must not learn about each other's requests).")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 = any free port")
     p.add_argument("--method", default=None,
