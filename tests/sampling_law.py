@@ -93,6 +93,10 @@ class StubTokenizer:
     def decode(self, ids):
         return " ".join(map(str, ids))
 
+    def encode(self, text, add_special_tokens=True):
+        """Bytes mod V: what --quantize int8 reads its calibration text through (d3d.quantize)."""
+        return [b % V for b in text.encode()]
+
 
 def tiny_model(noise: float = 0.0) -> Transformer:
     """The tiny target (same weights every time), or with `noise` added to its output layer: a drafter

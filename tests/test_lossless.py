@@ -293,13 +293,46 @@ MAX_NEW_ALL = 6               # ... of generations long enough for several round
 N_ALL = 1200
 ASYNC_OPTIONS = {"d3d-async": {}, "d3d-async max_candidates=2": {"max_candidates": 2},
                  "d3d-async successor_slots=2": {"successor_slots": 2}, "d3d-async head_all": {"head_all": True}}
+TOP_K = SamplingParams(temperature=0.8, top_k=3)  # top-k alone, and top-p alone: each cut on its own
+TOP_P = SamplingParams(temperature=0.8, top_p=0.8)
+PARAMS_ID = {id(TEMP): "temperature", id(TRUNCATED): "top_k+top_p", id(TOP_K): "top_k", id(TOP_P): "top_p"}
 CASES = [("ngram", TRUNCATED), ("d3d", TEMP), ("d3d", TRUNCATED), ("d3d-tree", TEMP), ("lookup-tree", TRUNCATED)] + \
-    [(name, TRUNCATED) for name in ASYNC_OPTIONS]
+    [(name, TRUNCATED) for name in ASYNC_OPTIONS] + \
+    [("ar-draft", TOP_K), ("ar-draft", TOP_P), ("dflash", TOP_K), ("dflash", TOP_P)]
+
+
+def method_drafter(method: str):
+    """The tiny fp32 drafter `method` drafts with in this harness (None for ngram and lookup-tree): for the
+    D3D methods an untrained D3D drafter copied from a noisy copy of the target (sampling_law.tiny_drafter),
+    for ar-draft a causal drafter of that noisy copy's layers, for dflash a DFlash drafter of the target's first
+    layer reading both its layers (its fusion layer random), for draft-model the noisy copy itself."""
+    from d3d.draftmodel import DraftModel
+    from d3d.drafter import drafter_from_target
+    from sampling_law import tiny_drafter
+
+    if method in ("ngram", "lookup-tree"):
+        return None
+    if method == "draft-model":
+        return DraftModel(tiny_model(noise=NOISE))
+    if method == "ar-draft":
+        d = drafter_from_target(tiny_model(noise=NOISE), StubTokenizer(), "tiny", [0, 1], BLOCK_TINY, kind="ar")
+    elif method == "dflash":
+        with torch.random.fork_rng():
+            torch.manual_seed(5)
+            d = drafter_from_target(tiny_model(), StubTokenizer(), "tiny", [0], BLOCK_TINY, kind="dflash",
+                                    target_layers=[0, 1])
+    else:
+        return tiny_drafter(tiny_model(noise=NOISE), BLOCK_TINY)
+    return d.eval().requires_grad_(False)
 
 
 def method_runner(method: str, target, drafter):
-    """params -> result of `method` on PROMPT_ALL (d3d-async without overlap: the same computation)."""
+    """params -> result of `method` on PROMPT_ALL (d3d-async without overlap: the same computation);
+    `drafter` is the method's drafter (method_drafter's kind; a DraftModel for draft-model)."""
+    from d3d.ardraft import ARDraftProposer
     from d3d.async_engine import generate_async
+    from d3d.dflash import DFlashProposer
+    from d3d.draftmodel import DraftModelProposer
     from d3d.ngram import NgramProposer
     from d3d.proposer import D3DProposer
     from d3d.tree import TreeProposer, generate_tree
@@ -307,6 +340,8 @@ def method_runner(method: str, target, drafter):
     from sampling_law import tiny_datastore
 
     tok = StubTokenizer()
+    if method == "ar":
+        return lambda p: generate(target, tok, PROMPT_ALL, p, MAX_NEW_ALL)
     if method in ASYNC_OPTIONS:
         return lambda p: generate_async(target, tok, PROMPT_ALL, p, MAX_NEW_ALL, drafter=drafter, overlap=False,
                                         **ASYNC_OPTIONS[method])
@@ -314,23 +349,30 @@ def method_runner(method: str, target, drafter):
         cost = WidthCost({1: 1.0, 2: 1.2, 8: 1.6}, overhead=0.9)  # skips the drafter in about half the rounds
         tree = TreeProposer(D3DProposer(drafter, V, max_len=64), budget=8, cost=cost)
         return lambda p: generate_tree(target, tok, PROMPT_ALL, p, MAX_NEW_ALL, proposer=tree, max_depth=3)
+    if method == "suffix":  # arctic-inference's suffix trees over the prompt and the earlier samples' outputs
+        from d3d.suffix import SuffixProposer, SuffixRunner, suffix_cache
+
+        run = SuffixRunner(target, tok, SuffixProposer(suffix_cache(), budget=8))
+        return lambda p: run(PROMPT_ALL, params=p, max_new_tokens=MAX_NEW_ALL)
     if method == "lookup-tree":  # n-gram matches and continuations retrieved from the target's own samples
         tree = TreeProposer(None, budget=8, cost=WidthCost({1: 1.0, 2: 1.2, 8: 1.6}),
                             datastore=tiny_datastore(target, PROMPT_ALL))
         return lambda p: generate_tree(target, tok, PROMPT_ALL, p, MAX_NEW_ALL, proposer=tree, max_depth=3)
     if method == "ngram":  # with a cost model: drafts cut by their estimated chance against the width's cost
         proposer = NgramProposer(cost=WidthCost({1: 1.0, 2: 1.1, 8: 1.6}))
-    else:
+    elif method in ("ar-draft", "draft-model", "dflash"):
+        make = {"ar-draft": ARDraftProposer, "draft-model": DraftModelProposer, "dflash": DFlashProposer}[method]
+        proposer = make(drafter, V, max_len=64)
+    elif method == "d3d":
         proposer = D3DProposer(drafter, V, max_len=64)
+    else:
+        raise ValueError(f"method_runner has no harness for method {method!r}")
     return lambda p: generate(target, tok, PROMPT_ALL, p, MAX_NEW_ALL, proposer=proposer, block_size=BLOCK_TINY)
 
 
-@pytest.mark.parametrize("method,params", CASES,
-                         ids=[f"{m}-{'temperature' if p is TEMP else 'top_k+top_p'}" for m, p in CASES])
+@pytest.mark.parametrize("method,params", CASES, ids=[f"{m}-{PARAMS_ID[id(p)]}" for m, p in CASES])
 def test_every_speculative_method_keeps_the_law(tiny, method, params):
-    from sampling_law import tiny_drafter
-
-    run = method_runner(method, tiny, tiny_drafter(tiny_model(noise=NOISE), BLOCK_TINY))
+    run = method_runner(method, tiny, method_drafter(method))
     samples, rounds = draw(run, params, N_ALL, FIRST)
     dist = exact_law(tiny, PROMPT_ALL, params, FIRST, EOS)
     assert set(samples) <= set(dist)

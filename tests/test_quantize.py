@@ -198,35 +198,55 @@ def test_int8_agrees_with_fp32_on_fp32_answers(smol, int8_target, prompt_ids):
     assert rate >= 0.8, rate  # measured 0.93 over the 7 test prompts (fbgemm version: 0.89)
 
 
-@pytest.mark.parametrize("method", ["ngram", "d3d", "d3d-async", "d3d-tree"])
-def test_int8_speculative_methods_equal_int8_plain_decoding(int8_target, prompt_ids, method):
+GREEDY_PROMPTS = (0, -1)  # a GSM8K question and a chat prompt
+GREEDY_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def ar_outputs(smol, int8_target, prompt_ids):
+    """Plain greedy decoding's tokens of GREEDY_PROMPTS, fp32 and int8, computed once for every method."""
+    out = {}
+    for name, (model, tok, model_dir) in (("fp32", smol), ("int8", int8_target)):
+        ar = make_runner("ar", model, tok, model_dir)
+        out[name] = [ar(prompt_ids[i], max_new_tokens=GREEDY_NEW).token_ids for i in GREEDY_PROMPTS]
+    return out
+
+
+def loaded_drafter(model, tok, model_dir, method, quantize_drafter=None):
+    """The drafter make_runner built `method` with (Setup.drafter loads one per target, checkpoint and precision)."""
+    from d3d.methods import drafter_path, get
+    from d3d.registry import Setup
+
+    setup = Setup(model, tok, model_dir, drafter_path(method, model_dir), quantize_drafter=quantize_drafter)
+    return setup.drafter(get(method).drafter_kind, method)
+
+
+@pytest.mark.parametrize("method", ["ngram", "d3d", "d3d-async", "d3d-tree", "lookup-tree", "ar-draft", "dflash"])
+def test_int8_speculative_methods_equal_int8_plain_decoding(int8_target, prompt_ids, ar_outputs, method):
     model, tok, model_dir = int8_target
-    ar = make_runner("ar", model, tok, model_dir)
     spec = make_runner(method, model, tok, model_dir)
+    if method not in ("ngram", "lookup-tree"):  # the drafter follows the target into int8
+        assert isinstance(loaded_drafter(model, tok, model_dir, method).layers[0].feed_forward.w13, Int8Linear)
     lengths = []
-    for ids in (prompt_ids[0], prompt_ids[-1]):
-        res = spec(ids, max_new_tokens=40)
-        assert res.token_ids == ar(ids, max_new_tokens=40).token_ids
+    for i, want in zip(GREEDY_PROMPTS, ar_outputs["int8"]):
+        res = spec(prompt_ids[i], max_new_tokens=GREEDY_NEW)
+        assert res.token_ids == want
         lengths += res.acceptance_lengths
     assert max(lengths) >= 2  # drafts were accepted: a method that drafts nothing cannot pass
 
 
-@pytest.mark.parametrize("method", ["d3d", "d3d-tree"])
-def test_an_int8_drafter_on_an_fp32_target_keeps_the_fp32_output(smol, prompt_ids, method):
+@pytest.mark.parametrize("method", ["d3d", "d3d-tree", "d3d-async", "ar-draft", "dflash"])
+def test_an_int8_drafter_on_an_fp32_target_keeps_the_fp32_output(smol, prompt_ids, ar_outputs, method):
     """--quantize-drafter int8: the drafter is int8, the target stays fp32, the output is fp32 `ar`'s."""
-    from d3d.quantize import Int8Linear
-
     model, tok, model_dir = smol
     spec = make_runner(method, model, tok, model_dir, quantize_drafter="int8")
-    drafter = spec.fn.keywords["proposer"]
-    drafter = (drafter.d3d if method == "d3d-tree" else drafter).drafter
+    drafter = loaded_drafter(model, tok, model_dir, method, quantize_drafter="int8")
     assert isinstance(drafter.layers[0].feed_forward.w13, Int8Linear)
     assert getattr(model, "quantized", None) is None and not isinstance(model.layers[0].feed_forward.w13, Int8Linear)
-    ar = make_runner("ar", model, tok, model_dir)
     lengths = []
-    for ids in (prompt_ids[0], prompt_ids[-1]):
-        res = spec(ids, max_new_tokens=40)
-        assert res.token_ids == ar(ids, max_new_tokens=40).token_ids
+    for i, want in zip(GREEDY_PROMPTS, ar_outputs["fp32"]):
+        res = spec(prompt_ids[i], max_new_tokens=GREEDY_NEW)
+        assert res.token_ids == want
         lengths += res.acceptance_lengths
     assert max(lengths) >= 2  # the int8 drafter's drafts were accepted
 

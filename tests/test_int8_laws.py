@@ -1,0 +1,101 @@
+"""Sampling stays lossless in int8: `--quantize int8` (the target and its drafter in int8) and
+`--quantize-drafter int8` (the drafter alone; the target stays fp32), for every built-in method each option
+applies to, on the tiny target of sampling_law with test_lossless's per-method harness (method_runner).
+
+int8 changes the target's law, so under --quantize int8 the reference is the exact law of the same int8
+target (and plain `ar` sampling of that runtime is checked against it first); under --quantize-drafter
+int8 it is the fp32 target's. The target is quantized as d3d.loading.load_target does (apply_quantize),
+learned drafters are saved and loaded through the registry's Setup.drafter (d3d.drafter_files.load_drafter,
+which quantizes them as the option says), and draft-model's model through d3d.draftmodel.load_draft_model.
+What these draws cannot resolve: on this tiny target the int8 law is within 0.7-1% (total variation) of the
+fp32 one, so a method verifying against the fp32 target would pass here too; that it is the int8 target's
+output exactly is test_quantize.py's greedy identity with int8 `ar` on real prompts.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import d3d.draftmodel
+from d3d.draftmodel import DraftModel, load_draft_model
+from d3d.drafter_files import save_drafter
+from d3d.quantize import Int8Linear, apply_quantize
+from d3d.registry import BUILTIN, Setup, get
+from sampling_law import EOS, StubTokenizer, chi2_pvalue, draw, exact_law, tiny_model
+from test_lossless import FIRST, N_ALL, PARAMS_ID, PROMPT_ALL, TEMP, TRUNCATED, method_drafter, method_runner
+
+REFERENCES = {"hf", "hf-lookup", "llama-cpp", "llama-cpp-q8"}  # their own runtimes: --quantize never reaches them
+# --quantize int8 reaches every other built-in method, --quantize-drafter int8 every one that loads a drafter: a
+# built-in method added later gets its cases here at once (and fails them until method_runner runs it). Each
+# drafter method samples with temperature alone in one mode and with top-k + top-p in the other.
+INT8_PARAMS = {m: (TEMP, TRUNCATED)[i % 2] for i, m in enumerate(m for m in BUILTIN if m not in REFERENCES)}
+CASES = [("int8", m, p) for m, p in INT8_PARAMS.items()] + \
+        [("drafter-int8", m, TRUNCATED if INT8_PARAMS[m] is TEMP else TEMP) for m, option in BUILTIN.items() if option]
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    """(mode, method) -> (target, drafter) as the option leaves them: the tiny target in int8 ("int8") or fp32
+    ("drafter-int8"), and method_drafter's drafter for `method` saved in fp32, then loaded in int8 the way
+    make_runner loads it (None for methods without one). Loaded once per module."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # thousands of tiny forwards: threading only adds overhead
+    tok, folder = StubTokenizer(), tmp_path_factory.mktemp("drafters")
+    targets = {"int8": apply_quantize(tiny_model(), "int8", tok), "drafter-int8": tiny_model()}
+    for method, kind in (("d3d", "d3d"), ("ar-draft", "ar"), ("dflash", "dflash")):
+        d = method_drafter(method)
+        d.cfg.own_embeddings = True  # keep its own (noisy) head: the target's would make it agree too often
+        save_drafter(d, folder / kind, dtype=torch.float32)
+    memo = {}
+
+    def load(mode: str, method: str):
+        if (mode, method) not in memo:
+            target, kind = targets[mode], get(method).drafter_kind
+            setup = Setup(target, tok, folder, folder / str(kind), options={},
+                          quantize_drafter="int8" if mode == "drafter-int8" else None)
+            if kind is None:
+                drafter = None
+            elif kind == "model":  # its whole model: method_drafter's noisy copy, as if loaded from a folder
+                with pytest.MonkeyPatch.context() as mp:
+                    mp.setattr(d3d.draftmodel, "resolve_target", lambda name: name)
+                    mp.setattr(d3d.draftmodel, "check_same_vocabulary", lambda *a: None)
+                    mp.setattr(d3d.draftmodel, "load_runtime", lambda *a: method_drafter("draft-model").model)
+                    drafter = DraftModel(load_draft_model(setup))
+            else:
+                drafter = setup.drafter(kind, method)
+            memo[mode, method] = target, drafter
+        return memo[mode, method]
+
+    yield load
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def laws(loaded):
+    """(mode, params) -> the exact law of the first FIRST tokens of plain sampling of the target in that mode."""
+    memo = {}
+
+    def law(mode, params):
+        key = mode, PARAMS_ID[id(params)]
+        if key not in memo:
+            memo[key] = exact_law(loaded(mode, "ar")[0], PROMPT_ALL, params, FIRST, EOS)
+        return memo[key]
+
+    return law
+
+
+@pytest.mark.parametrize("mode,method,params", CASES, ids=[f"{mode}-{m}-{PARAMS_ID[id(p)]}" for mode, m, p in CASES])
+def test_sampling_in_int8_keeps_the_law(loaded, laws, mode, method, params):
+    if method == "suffix":
+        pytest.importorskip("arctic_inference.suffix_decoding", reason="the suffix method's optional package")
+    target, drafter = loaded(mode, method)
+    assert getattr(target, "quantized", None) == ("int8" if mode == "int8" else None)
+    if drafter is not None:  # the drafter really runs in int8, in either mode
+        model = drafter.model if isinstance(drafter, DraftModel) else drafter
+        assert isinstance(model.layers[0].feed_forward.w13, Int8Linear)
+    samples, rounds = draw(method_runner(method, target, drafter), params, N_ALL, FIRST)
+    dist = laws(mode, params)
+    assert set(samples) <= set(dist)
+    if method != "ar":
+        assert sum(n for length, n in rounds.items() if length > 1) > 100  # drafts really were accepted
+    assert chi2_pvalue(samples, dist) > 1e-3
