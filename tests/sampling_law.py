@@ -15,7 +15,7 @@ from scipy import stats
 from d3d.datastore import Datastore
 from d3d.drafter import Drafter, drafter_from_target
 from d3d.target import ModelArgs, Transformer
-from d3d.verify import SamplingParams
+from d3d.verify import SamplingParams, probs_from_logits, sample
 
 V = 8
 EOS = 7
@@ -138,3 +138,12 @@ def draw(run: Callable[[SamplingParams], object], params: SamplingParams, n: int
         outputs.append(tuple(res.token_ids[:first]))
         rounds.update(res.acceptance_lengths)
     return outputs, rounds
+
+
+def no_residual_update(cands, row, params, generator):
+    """Broken: every sibling is tested against the target's law p itself, as if it were the only one."""
+    p = probs_from_logits(row, params)
+    for c in cands:
+        if float(torch.rand(1, generator=generator)) < float(p[c.token]):
+            return c.child, c.token
+    return None, sample(p, generator)

@@ -17,8 +17,8 @@ from d3d.methods import make_runner
 from d3d.prompts import encode_prompt
 from d3d.registry import REGISTRY
 from d3d.suffix import SUFFIX_DEFAULTS, SuffixProposer, SuffixRunner, suffix_cache
-from d3d.verify import SamplingParams, probs_from_logits, sample
-from sampling_law import EOS, StubTokenizer, chi2_pvalue, draw, exact_law, tiny_model
+from d3d.verify import SamplingParams
+from sampling_law import EOS, StubTokenizer, chi2_pvalue, draw, exact_law, no_residual_update, tiny_model
 
 try:
     import arctic_inference.suffix_decoding  # noqa: F401
@@ -120,15 +120,6 @@ def test_greedy_equals_plain_decoding_and_learns_from_the_prompt_and_earlier_res
         assert first.token_ids == again.token_ids == ar.token_ids and first.text == ar.text
         assert again.tau >= 3.0 and again.tau > first.tau and "suffix" in again.branches
     assert first.tau > 1.3  # the copy prompt: drafts from its own prompt, on its first request
-
-
-def no_residual_update(cands, row, params, generator):
-    """Broken: every sibling is tested against the target's law p itself, as if it were the only one."""
-    p = probs_from_logits(row, params)
-    for c in cands:
-        if float(torch.rand(1, generator=generator)) < float(p[c.token]):
-            return c.child, c.token
-    return None, sample(p, generator)
 
 
 @needs_arctic

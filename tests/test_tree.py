@@ -19,8 +19,9 @@ from d3d.ngram import ngram_continuations
 from d3d.datastore import shipped_datastore
 from d3d.tree import TreeProposer, generate_tree
 from d3d.treecost import WidthCost, choose_budget, choose_slots
-from d3d.verify import SamplingParams, probs_from_logits, sample
-from sampling_law import EOS, V, StubTokenizer, chi2_pvalue, draw, exact_law, tiny_datastore, tiny_drafter, tiny_model
+from d3d.verify import SamplingParams, probs_from_logits
+from sampling_law import (EOS, V, StubTokenizer, chi2_pvalue, draw, exact_law, no_residual_update, tiny_datastore,
+                          tiny_drafter, tiny_model)
 
 GREEDY = SamplingParams()
 CONTEXT = [1, 2, 3, 4, 5, 1, 2]
@@ -239,15 +240,6 @@ def test_lookup_tree_greedy_equals_plain_decoding(smol, prompt_ids):
 
 ROW = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0])
 LAW = torch.softmax(torch.tensor([0.0, 2.0, 1.0, 1.5, 0.0, 0.0, 0.0, 0.0]), -1)  # how the first candidate is drawn
-
-
-def no_residual_update(cands, row, params, generator):
-    """Broken: every sibling is tested against the target's law p itself, as if it were the only one."""
-    p = probs_from_logits(row, params)
-    for c in cands:
-        if float(torch.rand(1, generator=generator)) < float(p[c.token]):
-            return c.child, c.token
-    return None, sample(p, generator)
 
 
 def node_outcomes(choose, params: SamplingParams, n: int) -> list[tuple[int]]:
