@@ -41,3 +41,15 @@ def prompt_ids(smol) -> list[list[int]]:
 def short_answer_ids(smol) -> list[int]:
     """A prompt the default target answers in about 8 tokens, ending with EOS."""
     return encode_prompt(smol[1], "What is the capital of France? Answer briefly.")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The law tests' tiny target (sampling_law.tiny_model), one per module, on one thread: thousands of
+    tiny forwards, where threading only adds overhead."""
+    from sampling_law import tiny_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield tiny_model()
+    torch.set_num_threads(threads)

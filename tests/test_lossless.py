@@ -217,14 +217,6 @@ class GreedyDrafter:
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # thousands of tiny forwards: threading only adds overhead
-    yield tiny_model()
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
 def proposers(tiny):
     """Proposer factories (seed -> proposer) by kind: drafts sampled from Q and q = Q, or greedy drafts of a
     noisy copy of the target and q = None."""

@@ -33,14 +33,6 @@ GREEDY = SamplingParams()
 PROMPT = [1, 2, 3, 1, 2]
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield tiny_model()
-    torch.set_num_threads(threads)
-
-
 def tiny_runner(model, budget: int = 8, **options) -> SuffixRunner:
     return SuffixRunner(model, StubTokenizer(), SuffixProposer(suffix_cache(), budget, **options))
 

@@ -28,14 +28,6 @@ CONTEXT = [1, 2, 3, 4, 5, 1, 2]
 BRANCHES = [[3, 4, 5], [3, 6], [6, 0, 1, 2], [5]]  # shared prefixes merge: 3 -> {4, 6}
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield tiny_model()
-    torch.set_num_threads(threads)
-
-
 def branch_tree(root: int) -> TokenTree:
     draft = TreeDraft(root)
     for i, b in enumerate(BRANCHES):
