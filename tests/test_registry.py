@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import json
 from functools import partial
+from pathlib import Path
 
 import pytest
 
+from d3d import load
 from d3d.cli import main
 from d3d.engine import generate
 from d3d.errors import D3DError
-from d3d.methods import make_runner, parse_methods
+from d3d.methods import check_quantize, make_runner, parse_methods
 from d3d.registry import BUILTIN, REGISTRY, Method, Runner, register
+from sampling_law import StubTokenizer, tiny_model
 
 
 class RepeatLast:
@@ -56,8 +59,6 @@ def test_a_registered_method_runs_everywhere(toy, smol, tmp_path, capsys):
     assert rows["toy-repeat"]["lossless"] is True
     assert report["settings"]["toy_repeats"] == 4  # a runner's declared settings reach the bench report
 
-    from d3d import load
-
     gen = load(method="toy-repeat")
     assert gen.method == "toy-repeat" and gen.generate("Hi!", max_new_tokens=4)
     assert gen.block_size == 4  # request checks reserve the runner's declared block size
@@ -100,3 +101,25 @@ def test_the_builtin_table_lists_exactly_the_builtin_methods():
     with pytest.raises(D3DError, match="registry.BUILTIN"):
         register(Method("ngram", lambda s: None, drafter_kind="d3d"))
     assert REGISTRY["ngram"].drafter_kind is None
+
+
+def test_quantize_is_refused_by_the_methods_that_run_the_target_on_their_own_runtime():
+    """--quantize int8 converts d3d's loaded target; hf and hf-lookup run transformers' fp32 model and
+    llama-cpp llama.cpp's F32 GGUF, so they would ignore it: a one-line error naming the method and what
+    it runs, before the target loads (d3d.load) and in make_runner, which generate and bench go through.
+    llama-cpp-q8 (llama.cpp's own int8) and the methods on d3d's target take it."""
+    says = {"hf": "transformers' own fp32 model; --quantize does not apply: run it without --quantize",
+            "hf-lookup": "transformers' own fp32 model; --quantize does not apply: run it without --quantize",
+            "llama-cpp": "llama.cpp's own F32 GGUF; --quantize does not apply: use llama-cpp-q8 for int8"}
+    for method, what in says.items():
+        with pytest.raises(D3DError) as e:
+            check_quantize("int8", ["ar", "d3d-tree", method])
+        assert str(e.value) == f"{method} runs {what}"
+        with pytest.raises(D3DError, match=f"^{method} runs"):
+            load(method=method, quantize="int8")
+        check_quantize(None, [method])
+    check_quantize("int8", ["ar", "ngram", "d3d", "d3d-tree", "lookup-tree", "llama-cpp-q8", "suffix"])
+    model = tiny_model()
+    model.quantized = "int8"  # as d3d.quantize marks an int8 target
+    with pytest.raises(D3DError, match="^hf runs"):
+        make_runner("hf", model, StubTokenizer(), Path("tiny"))

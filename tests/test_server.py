@@ -913,6 +913,11 @@ def test_web_page_in_headless_chromium(env, tmp_path):
         assert js("document.querySelectorAll('#answer .draft').length") >= 1  # prompt B gets drafts accepted
         assert float(js("document.getElementById('tau').textContent")) > 1.0
         assert float(js("document.getElementById('tps').textContent")) > 0
+        branches = ["d3d", "ngram", "alt", "datastore", "learned", "learned+ngram", "datastore+learned"]
+        colours = js(json.dumps(branches) + ".map((b) => { const s = document.createElement('span'); "
+                     "s.className = 'draft'; s.dataset.branch = b; document.getElementById('answer').appendChild(s); "
+                     "const c = getComputedStyle(s).backgroundColor; s.remove(); return c; })")
+        assert len(set(colours[:5])) == 5 and colours[4] == colours[5] == colours[6]  # each branch its own colour
         shot = base64.b64decode(browser.send("Page.captureScreenshot", {"format": "png"}, session)["data"])
     finally:
         browser.close()

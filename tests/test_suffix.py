@@ -1,6 +1,6 @@
 """The suffix reference (SuffixDecoding through arctic-inference's suffix trees, verified as a token tree):
-lossless when greedy and when sampling, learns from the prompt and from earlier responses, and fails with
-one line when arctic-inference is missing."""
+lossless when greedy and when sampling, learns from the prompt and from earlier responses (not from
+earlier responses with learning off), and fails with one line when arctic-inference is missing."""
 from __future__ import annotations
 
 import sys
@@ -99,11 +99,34 @@ def test_tiny_greedy_is_plain_decoding_and_requests_close(tiny):
 
 
 @needs_arctic
+def test_with_learning_off_a_generation_drafts_as_if_it_were_the_first(tiny):
+    """Learning on (the default): the second of two identical generations drafts from the first's response
+    in the global tree, so it needs fewer rounds, and forget() empties that tree. Learning off (--no-learn,
+    learn=False): the cache keeps no global tree, so the second runs round for round as the first. Every
+    output is plain decoding's."""
+    prompt = [4, 4, 0, 6]
+    ar = generate(tiny, StubTokenizer(), prompt, GREEDY, 30)
+    on, off = (make_runner("suffix", tiny, StubTokenizer(), Path("tiny"), block_size=8, learn=learn)
+               for learn in (None, False))
+    assert on.settings["learn"] is True and on.settings["max_cached_requests"] == SUFFIX_DEFAULTS["max_cached_requests"]
+    assert off.settings["learn"] is False and off.settings["max_cached_requests"] == 0 and not hasattr(off, "forget")
+    runs = {runner: [runner(prompt, params=GREEDY, max_new_tokens=30) for _ in range(2)] for runner in (on, off)}
+    assert all(r.token_ids == ar.token_ids for pair in runs.values() for r in pair)
+    first, second = runs[on]
+    assert len(second.acceptance_lengths) < len(first.acceptance_lengths)
+    first, second = runs[off]
+    assert second.acceptance_lengths == first.acceptance_lengths and second.tree_sizes == first.tree_sizes
+    assert not off.fn.__self__.proposer.cache.cached_requests
+    on.forget()
+    assert on(prompt, params=GREEDY, max_new_tokens=30).acceptance_lengths == runs[on][0].acceptance_lengths
+
+
+@needs_arctic
 def test_greedy_equals_plain_decoding_and_learns_from_the_prompt_and_earlier_responses(smol, prompt_ids):
     model, tok, model_dir = smol
     runner = make_runner("suffix", model, tok, model_dir)
     assert runner.settings == {"block_size": 16, "tree_budget": 16, "use_tree_spec": True,
-                               "arctic_inference": "0.3.0", **SUFFIX_DEFAULTS}
+                               "arctic_inference": "0.3.0", "learn": True, **SUFFIX_DEFAULTS}
     copy = encode_prompt(tok, "Repeat this list exactly, twice: apple, banana, cherry, dates, elderberry, fig, grape.")
     for ids in (prompt_ids[0], copy):
         ar = generate(model, tok, ids, GREEDY, 32)

@@ -3,8 +3,9 @@
 `load` reads the target once (and the drafter, for drafter-based methods); the returned `Generator`
 answers prompts one at a time (a lock serialises callers from several threads, since the target's KV
 cache is shared). The server (d3d.server) drives the same object. With `learn` (the default), the tree
-methods (lookup-tree, d3d-tree) also retrieve drafts from the Generator's own earlier answers (bounded:
-`learn_tokens`; `Generator.forget()` empties it); the output is the target's either way.
+methods (lookup-tree, d3d-tree) and suffix also draft from the Generator's own earlier answers (bounded:
+`learn_tokens`, for suffix a number of answers; `Generator.forget()` empties it); the output is the
+target's either way.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 from .engine import GenerationResult, LogprobRecorder, validate_request
 from .errors import D3DError
 from .loading import load_target
-from .methods import best_method, check_quantize_drafter, make_runner, parse_methods
+from .methods import best_method, check_quantize, check_quantize_drafter, make_runner, parse_methods
 from .registry import check_method_options, get
 from .prompts import encode_prompt
 from .verify import SamplingParams
@@ -120,7 +121,7 @@ class Generator:
 
     def forget(self) -> bool:
         """Drop what the method learned from this Generator's earlier generations (lookup-tree, d3d-tree
-        with learning on, suffix); False if it learns nothing."""
+        and suffix with learning on); False if it learns nothing."""
         from .bench import forget_history
 
         with self._lock:
@@ -146,9 +147,10 @@ def load(target: str | None = None, method: str | None = None, drafter: str | No
     quantize_drafter: "int8" for an int8 drafter whatever the target's precision (the output is the
     target's either way; None: the drafter follows `quantize`); tree_budget, datastore, ar_draft_k, draft_k:
     the methods' options, as `--tree-budget`, `--datastore PATH|none`, `--ar-draft-k` and `--draft-k` (None:
-    fitted to this device; the shipped datastore; adaptive); learn: the tree methods also retrieve from
-    this Generator's own earlier answers (False: only the datastore and the prompt, as `--no-learn`),
-    keeping at most `learn_tokens` tokens of them (None: d3d.datastore.LEARN_TOKENS, oldest dropped first)."""
+    fitted to this device; the shipped datastore; adaptive); learn: the tree methods and suffix also draft
+    from this Generator's own earlier answers (False: only the datastore and the prompt, as `--no-learn`),
+    the tree methods keeping at most `learn_tokens` tokens of them (None: d3d.datastore.LEARN_TOKENS, oldest
+    dropped first; suffix keeps its last SUFFIX_DEFAULTS["max_cached_requests"] answers)."""
     methods = parse_methods(method or best_method(target))
     if len(methods) != 1:
         raise D3DError("load takes exactly one method")
@@ -163,6 +165,7 @@ def load(target: str | None = None, method: str | None = None, drafter: str | No
         raise D3DError(f"learn_tokens must be >= 2 (got {learn_tokens})")
     options |= {"learn": learn is not False, "learn_tokens": learn_tokens}  # None (the CLI's default): on
     check_quantize_drafter(quantize_drafter, methods)
+    check_quantize(quantize, methods)
     model, tok, model_dir = load_target(target, device, quantize=quantize, compile=compile)
     runner = make_runner(methods[0], model, tok, model_dir, drafter=drafter, block_size=block_size,
                          quantize_drafter=quantize_drafter, **options)

@@ -11,9 +11,9 @@ prompt, and turn k > 1 is asked in a chat holding the earlier turns and the targ
 to them (at temperature 0 that is the measured AR generation itself; when sampling, an extra unrecorded
 greedy AR generation).
 
-Methods that learn from earlier generations (lookup-tree and d3d-tree by default, suffix) learn from
-their own outputs only: each runner has its own store, and the harness never feeds it another method's
-(nor `ar`'s) output. The warm-up runs on WARMUP_PROMPT, which no benchmark measures, and every runner
+Methods that learn from earlier generations (lookup-tree, d3d-tree and suffix, unless learning is off)
+learn from their own outputs only: each runner has its own store, and the harness never feeds it another
+method's (nor `ar`'s) output. The warm-up runs on WARMUP_PROMPT, which no benchmark measures, and every runner
 forgets what it learned at the start of each benchmark (forget_history), so a benchmark is one stream
 in order, the same whichever benchmarks ran before it (the `history` workload reuses MT-Bench and
 HumanEval prompts: without it, `--benchmarks history,humaneval` would measure HumanEval on answers the
@@ -163,18 +163,11 @@ WARMUP_PROMPT = "Warm-up: reply with one short greeting."  # not a benchmark pro
 
 
 def forget_history(runner) -> bool:
-    """Make a runner forget what it learned from earlier generations; False if it has nothing to forget.
-    A runner's own `forget()` (lookup-tree, d3d-tree), else for the suffix method (its runner's proposer
-    holds an arctic-inference SuffixDecodingCache) every cached response evicted from the global tree."""
+    """Make a runner forget what it learned from earlier generations through its own `forget()` (lookup-tree,
+    d3d-tree and suffix with learning on); False if it has none (nothing to forget)."""
     forget = getattr(runner, "forget", None)
     if callable(forget):
         forget()
-        return True
-    owner = getattr(getattr(runner, "fn", runner), "__self__", None)
-    cache = getattr(getattr(owner, "proposer", None), "cache", None)
-    if cache is not None and hasattr(cache, "evict_cached_response") and hasattr(cache, "cached_requests"):
-        for request in list(cache.cached_requests):
-            cache.evict_cached_response(request)
         return True
     return False
 

@@ -19,6 +19,13 @@ def best_method(target: str | Path | None) -> str:
     """The fastest measured method for a target (by its name or folder name): BEST_METHODS, else BEST_METHOD."""
     return BEST_METHODS.get(Path(str(target)).name, BEST_METHOD) if target else BEST_METHOD
 
+# methods that run the target on a runtime of their own, not on d3d's loaded model, which --quantize
+# converts: what they run, and what to do instead (check_quantize). llama-cpp-q8 is not one: it always
+# runs llama.cpp's own int8 (Q8_0), the counterpart of --quantize int8.
+OWN_RUNTIME = {"hf": ("transformers' own fp32 model", "run it without --quantize"),
+               "hf-lookup": ("transformers' own fp32 model", "run it without --quantize"),
+               "llama-cpp": ("llama.cpp's own F32 GGUF", "use llama-cpp-q8 for int8")}
+
 # baselines' drafters ship beside the D3D one, under the target's name + this suffix
 BASELINE_SUFFIX = {m.name: m.drafter_suffix for m in REGISTRY.values() if m.drafter_suffix}
 
@@ -30,6 +37,7 @@ def make_runner(method: str, model, tokenizer, model_dir: Path, drafter: str | P
     settings it runs with in .settings. quantize_drafter: "int8" for an int8 drafter on any target (None:
     as the target). options: method options, e.g. tree_budget for d3d-tree (None = fitted to this device)."""
     m = get(method)
+    check_quantize(getattr(model, "quantized", None), [method])
     setup = Setup(model, tokenizer, Path(model_dir), drafter_path(method, model_dir, drafter), block_size,
                   draft_device, {k: v for k, v in options.items() if v is not None}, quantize_drafter)
     return m.runner(setup)
@@ -68,3 +76,14 @@ def check_quantize_drafter(mode: str | None, methods: list[str]) -> None:
         raise D3DError(f"unknown --quantize-drafter mode {mode!r}; choose from {', '.join(QUANTIZE_MODES)}")
     if not any(get(m).drafter_kind for m in methods):
         raise D3DError(f"--quantize-drafter needs a method with a learned drafter (got {', '.join(methods)})")
+
+
+def check_quantize(mode: str | None, methods: list[str]) -> None:
+    """A one-line error for a target quantization that a method in `methods` would ignore: those that run
+    the target on their own runtime (OWN_RUNTIME), not on d3d's model that --quantize converts."""
+    if mode is None:
+        return
+    for m in methods:
+        if m in OWN_RUNTIME:
+            runs, instead = OWN_RUNTIME[m]
+            raise D3DError(f"{m} runs {runs}; --quantize does not apply: {instead}")

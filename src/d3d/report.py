@@ -1,7 +1,7 @@
 """`d3d report`: markdown tables and plots from `d3d bench` result files.
 
 Per result file: a table with one row per benchmark and, per method, tau and speedup vs AR (plus AR's
-own tokens/s), then a mean row (arithmetic mean over the file's benchmarks); and three PNG plots:
+own tokens/s), then an "all" row pooled over every generation (d3d.report.pooled); and three PNG plots:
 speedup bars per benchmark and method, acceptance length histograms, tokens/s against tau.
 """
 from __future__ import annotations
@@ -54,17 +54,36 @@ def _shown_methods(report: dict) -> list[str]:
     return others or ["ar"]
 
 
-def means(report: dict) -> dict[str, dict[str, float]]:
-    """Per method: mean tau, speedup and tokens/s over the benchmarks it ran on (arithmetic means)."""
+def _pooled_from_prompts(prompts: list[dict]) -> tuple[float, float]:
+    """(tau, seconds per decoded token) over generations, as the bench pools a benchmark's: acceptance
+    lengths over rounds, decode time over tokens after the prefill's."""
+    rounds = sum(p["rounds"] for p in prompts)
+    tau = sum(sum(p["acceptance_lengths"]) for p in prompts) / max(1, rounds)
+    return tau, sum(p["decode_s"] for p in prompts) / sum(max(1, p["new_tokens"] - 1) for p in prompts)
+
+
+def pooled(report: dict) -> dict[str, dict[str, float]]:
+    """Per method: tau, tokens/s and speedup over every generation of every benchmark it ran on, pooled
+    as the bench pools one benchmark's (d3d.bench._summary); the speedup is against `ar` pooled over the
+    same benchmarks. Files without per-prompt records fall back to arithmetic means over benchmarks."""
+    per_prompt = report.get("per_prompt") or []
     out = {}
     for m in _methods(report):
         rows = [r for r in report["results"] if r["method"] == m]
-        out[m] = {k: sum(r[k] for r in rows) / len(rows) for k in ("tau", "speedup_vs_ar", "tokens_per_s")}
+        mine = [p for p in per_prompt if p["method"] == m]
+        benches = {r["benchmark"] for r in rows}
+        ar = [p for p in per_prompt if p["method"] == "ar" and p["benchmark"] in benches]
+        if not mine or (m != "ar" and not ar):
+            out[m] = {k: sum(r[k] for r in rows) / len(rows) for k in ("tau", "speedup_vs_ar", "tokens_per_s")}
+            continue
+        tau, tpot = _pooled_from_prompts(mine)
+        speedup = 1.0 if m == "ar" else _pooled_from_prompts(ar)[1] / tpot
+        out[m] = {"tau": tau, "tokens_per_s": 1 / tpot, "speedup_vs_ar": speedup}
     return out
 
 
 def markdown_table(report: dict) -> str:
-    """Benchmark x method table: AR tokens/s, then tau and speedup of each method; a mean row last.
+    """Benchmark x method table: AR tokens/s, then tau and speedup of each method; the pooled row last.
     A speedup marked with † is of a method whose output differed from AR (not lossless)."""
     methods, rows = _shown_methods(report), _rows(report)
     has_ar = "ar" in _methods(report)
@@ -89,9 +108,9 @@ def markdown_table(report: dict) -> str:
 
     for b in _benchmarks(report):
         lines.append("| " + " | ".join([b] + cells(lambda m: rows.get((b, m)))) + " |")
-    mean = means(report)
-    lines.append("| " + " | ".join(["**mean**"] + [f"**{c}**" if c else c for c in cells(
-        lambda m: dict(mean[m], lossless=None) if m in mean else None)]) + " |")
+    total = pooled(report)
+    lines.append("| " + " | ".join(["**all**"] + [f"**{c}**" if c else c for c in cells(
+        lambda m: dict(total[m], lossless=None) if m in total else None)]) + " |")
     if any(r.get("lossless") is False for r in report["results"]):
         lines.append("\n† output differed from plain decoding on at least one prompt (not lossless).")
     return "\n".join(lines)
@@ -147,12 +166,12 @@ def _pyplot():
 def plot_speedup(report: dict, path: Path) -> None:
     plt = _pyplot()
     methods, rows, bench = _shown_methods(report), _rows(report), _benchmarks(report)
-    mean = means(report)
-    groups = bench + ["mean"]
+    total = pooled(report)
+    groups = bench + ["all"]
     width = 0.8 / len(methods)
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(groups) + 2), 3.8))
     for j, m in enumerate(methods):
-        vals = [rows[(b, m)]["speedup_vs_ar"] if (b, m) in rows else 0.0 for b in bench] + [mean[m]["speedup_vs_ar"]]
+        vals = [rows[(b, m)]["speedup_vs_ar"] if (b, m) in rows else 0.0 for b in bench] + [total[m]["speedup_vs_ar"]]
         xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(groups))]
         bars = ax.bar(xs, vals, width, label=m)
         ax.bar_label(bars, fmt="%.2f", fontsize=7)

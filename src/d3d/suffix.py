@@ -17,10 +17,14 @@ starts the request (`start_request`), every verified token is appended to the ac
 (`add_active_response`, before each round's `speculate` on the last `max_tree_depth` tokens, the pending
 token included, and once more at the end), and the request is stopped when the generation ends
 (`stop_request`); its response stays in the global tree, so later generations of the same runner learn
-from it (a bench's warm-up generation included). The parameters are those vLLM's `method: suffix` runs
-with in arctic-inference 0.3.0 (SUFFIX_DEFAULTS) except that speculation builds a tree (`use_tree_spec`,
-the paper's setting; vLLM's chain verifier asks for a single path) of at most budget - 1 tokens, the
-budget being --tree-budget, else --block-size (16: one pending token and 15 drafts, as vLLM's 16).
+from it (a bench's warm-up generation included). With learning off (option `learn` False: `--no-learn`,
+`d3d.load(learn=False)`) the cache is built with `max_cached_requests=0`, arctic-inference's switch for
+no global tree: each generation drafts from its own prompt and response only, as if it were the first.
+
+The parameters are those vLLM's `method: suffix` runs with in arctic-inference 0.3.0 (SUFFIX_DEFAULTS)
+except that speculation builds a tree (`use_tree_spec`, the paper's setting; vLLM's chain verifier asks
+for a single path) of at most budget - 1 tokens, the budget being --tree-budget, else --block-size (16:
+one pending token and 15 drafts, as vLLM's 16).
 """
 from __future__ import annotations
 
@@ -66,7 +70,7 @@ class SuffixProposer:
 
     One generation is one request of the cache; `finish()` closes it (SuffixRunner calls it after every
     generation). The cache lives as long as the proposer, so its global tree holds the responses of
-    every earlier generation."""
+    every earlier generation (none with a cache of max_cached_requests=0)."""
 
     name = "suffix"
 
@@ -125,7 +129,8 @@ class SuffixProposer:
 
     def finish(self, token_ids: list[int] | None = None) -> None:
         """Close the open request, first appending the output's tokens not yet added (`token_ids`: the
-        generation's whole output, prompt excluded). Its response stays in the global tree."""
+        generation's whole output, prompt excluded). Its response stays in the global tree, if the cache
+        keeps one."""
         if self.request is None:
             return
         try:
@@ -157,15 +162,29 @@ class SuffixRunner:
             self.proposer.finish(None if res is None else res.token_ids)
         return res
 
+    def forget(self) -> None:
+        """Evict every earlier response from the cache's global tree."""
+        cache = self.proposer.cache
+        for request in list(cache.cached_requests):
+            cache.evict_cached_response(request)
+
 
 def _suffix_runner(s: Setup) -> Runner:
+    """The suffix Runner; with learning on (option `learn`, on unless False) it has `forget()`, as the
+    tree methods' runners have, and with it off its cache keeps no global tree."""
     budget = s.options.get("tree_budget") or s.block_size
-    proposer = SuffixProposer(suffix_cache(), budget)
+    learn = s.options.get("learn") is not False
+    settings = SUFFIX_DEFAULTS | ({} if learn else {"max_cached_requests": 0})
+    proposer = SuffixProposer(suffix_cache(settings["max_tree_depth"], settings["max_cached_requests"]), budget)
     run = SuffixRunner(s.model, s.tokenizer, proposer)
-    return Runner(run.__call__, block_size=budget, tree_budget=budget, use_tree_spec=proposer.use_tree_spec,
-                  arctic_inference=arctic_version(), **SUFFIX_DEFAULTS)
+    runner = Runner(run.__call__, block_size=budget, tree_budget=budget, use_tree_spec=proposer.use_tree_spec,
+                    arctic_inference=arctic_version(), learn=learn, **settings)
+    if learn:
+        runner.forget = run.forget
+    return runner
 
 
 SUFFIX = register(Method("suffix", _suffix_runner,
-                         help="reference: SuffixDecoding (arctic-inference's suffix trees over the prompt and earlier "
-                              "responses) verified as one token tree; pip install -e \".[suffix]\""))
+                         help="reference: SuffixDecoding (arctic-inference's suffix trees over the prompt and, unless "
+                              "learning is off, earlier responses) verified as one token tree; "
+                              "pip install -e \".[suffix]\""))
