@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from d3d.batches import TrainConfig
+from d3d.batches import TrainConfig, draft_vocabulary
+from d3d.data import load_dataset
 from d3d.drafter_files import load_drafter, save_drafter, weight_files
 from d3d.lora import LoRALinear
 from d3d.train import init_model_drafter, train_drafter, trainable_parameters
@@ -69,6 +70,17 @@ def test_train_with_lora_rank_resumes_and_writes_factors(tmp_path, smol):
     assert summary["steps_done"] == 2 and summary["heldout_after"]["loss"] != summary["heldout_before"]["loss"]
     keys = torch.load(tmp_path / "w.run" / "state.pt", weights_only=True)["model"].keys()
     assert any(k.endswith(".lora_b") for k in keys) and not any(k.endswith(".weight") for k in keys)
+
+    # resuming over more data keeps the run's draft vocabulary (the more data's own would differ)
+    first_ids = torch.load(tmp_path / "w.run" / "state.pt", weights_only=True)["model"]["draft_ids"]
+    more = load_dataset(ROOT / "data" / "distill", 2)[:-1]
+    model, tok, _ = smol
+    assert not torch.equal(draft_vocabulary(more, 512, model.args.vocab_size, [tok.eos_token_id]), first_ids)
+    summary = train_drafter(None, ROOT / "data" / "distill", tmp_path / "w", tmp_path / "w.run", None, 512, 16,
+                            TrainConfig(**(cfg.__dict__ | {"steps": 3})), heldout=1, max_shards=2,
+                            init_model=str(model_dir), lora_rank=2)
+    assert summary["steps_done"] == 3
+    assert torch.equal(load_drafter(tmp_path / "w", model, tok).draft_ids, first_ids)
 
 
 def test_lora_rank_without_a_base_model_is_a_one_line_error(tmp_path):

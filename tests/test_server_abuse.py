@@ -119,7 +119,12 @@ class Client:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    os.environ.setdefault("D3D_CACHE", str(tmp_path_factory.mktemp("cache")))
+    with pytest.MonkeyPatch.context() as env:  # an isolated cache for this module only
+        env.setenv("D3D_CACHE", os.environ.get("D3D_CACHE") or str(tmp_path_factory.mktemp("cache")))
+        yield from _serve()
+
+
+def _serve():
     import uvicorn
 
     from d3d.api import Generator

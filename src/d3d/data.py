@@ -9,8 +9,9 @@ mix (or code mix), so a killed run resumes at the first missing shard; every fil
 from __future__ import annotations
 
 import json
-import os
 import time
+import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,8 +19,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from .atomic import atomic_path
 from .code_prompts import code_mix, python_version
-from .errors import D3DError
+from .errors import D3DError, first_line
 from .prompts import chat_mix, encode_prompt, prompt_hash, training_mix
 
 PROMPT_SETS = {
@@ -35,12 +37,10 @@ PROMPT_MIXES = {"mix": training_mix, "code": code_mix, "chat": chat_mix}
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write `path` whole or not at all, durably (d3d.atomic.atomic_path: fsynced, renamed into place, the
+    folder fsynced; an interruption deletes the temp file)."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
 
 
 def atomic_write_json(path: Path, obj) -> None:
@@ -77,17 +77,33 @@ class Example:
     hash: str
 
 
+def read_manifest(folder: Path) -> dict:
+    """A dataset folder's manifest.json, or a one-line D3DError naming it."""
+    path = Path(folder) / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text())
+        if not isinstance(manifest.get("shards"), list):
+            raise ValueError("no shard list")
+    except (OSError, ValueError, AttributeError) as e:
+        raise D3DError(f"{path} is not a d3d dataset manifest ({first_line(e)})") from None
+    return manifest
+
+
 def load_dataset(folder: str | Path, max_shards: int | None = None) -> list[Example]:
-    """All examples of a dataset folder, or of its first `max_shards` shards (a fixed, smaller budget)."""
+    """All examples of a dataset folder, or of its first `max_shards` shards (a fixed, smaller budget); a
+    truncated or damaged shard is a one-line D3DError naming it."""
     folder = Path(folder)
-    manifest = json.loads((folder / "manifest.json").read_text())
     out = []
-    for shard in manifest["shards"][:max_shards]:
-        z = np.load(folder / shard["file"])
-        prompts = _unflat(z["prompt_ids"], z["prompt_offsets"])
-        responses = _unflat(z["response_ids"], z["response_offsets"])
-        out += [Example(p, r, s, h) for p, r, s, h in zip(prompts, responses, z["sources"].tolist(),
-                                                             z["hashes"].tolist())]
+    for shard in read_manifest(folder)["shards"][:max_shards]:
+        path = folder / shard["file"]
+        try:
+            z = np.load(path)
+            prompts = _unflat(z["prompt_ids"], z["prompt_offsets"])
+            responses = _unflat(z["response_ids"], z["response_offsets"])
+            sources, hashes = z["sources"].tolist(), z["hashes"].tolist()
+        except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+            raise D3DError(f"{path} is not a d3d data shard, or is truncated ({first_line(e)})") from None
+        out += [Example(p, r, s, h) for p, r, s, h in zip(prompts, responses, sources, hashes)]
     return out
 
 
@@ -140,6 +156,24 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids
     return out
 
 
+def dataset_manifest(out: Path, target_name: str, max_new_tokens: int = 256, max_prompt_tokens: int = 384,
+                     shard_size: int = 128, seed: int = 0, prompts: str = "mix") -> dict:
+    """The manifest to extend in the dataset folder `out` (a new one if it holds none), or a D3DError if
+    its data was made with other settings (`d3d data` asks before loading the target)."""
+    settings = {"target": target_name, "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens,
+                "shard_size": shard_size, "seed": seed, "decoding": "greedy", "chat_template": True}
+    if prompts not in PROMPT_SETS:
+        raise D3DError(f"unknown prompt set {prompts!r}; choose from {', '.join(PROMPT_SETS)}")
+    if prompts != "mix":  # the main mix's folders predate the field
+        settings["prompts"] = prompts
+    if prompts == "code":
+        settings["python"] = python_version()
+    manifest = read_manifest(out) if (out / "manifest.json").exists() else {"settings": settings, "shards": []}
+    if manifest.get("settings") != settings:
+        raise D3DError(f"{out} was built with other settings: {manifest.get('settings')}; use another --out")
+    return manifest
+
+
 def build_dataset(model, tokenizer, out: Path, target_name: str, max_tokens: int, max_new_tokens: int = 256,
                   max_prompt_tokens: int = 384, batch_size: int = 32, shard_size: int = 128, seed: int = 0,
                   prompts: str = "mix", log=None) -> dict:
@@ -151,17 +185,7 @@ def build_dataset(model, tokenizer, out: Path, target_name: str, max_tokens: int
     """
     out.mkdir(parents=True, exist_ok=True)
     mpath = out / "manifest.json"
-    settings = {"target": target_name, "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens,
-                "shard_size": shard_size, "seed": seed, "decoding": "greedy", "chat_template": True}
-    if prompts not in PROMPT_SETS:
-        raise D3DError(f"unknown prompt set {prompts!r}; choose from {', '.join(PROMPT_SETS)}")
-    if prompts != "mix":  # the main mix's folders predate the field
-        settings["prompts"] = prompts
-    if prompts == "code":
-        settings["python"] = python_version()
-    manifest = json.loads(mpath.read_text()) if mpath.exists() else {"settings": settings, "shards": []}
-    if manifest["settings"] != settings:
-        raise D3DError(f"{out} was built with other settings: {manifest['settings']}; use another --out")
+    manifest = dataset_manifest(out, target_name, max_new_tokens, max_prompt_tokens, shard_size, seed, prompts)
     manifest["sources"] = PROMPT_SETS[prompts]
     mix = PROMPT_MIXES[prompts](seed)
     eos = {tokenizer.eos_token_id}

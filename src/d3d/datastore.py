@@ -27,6 +27,7 @@ from __future__ import annotations
 import io
 import json
 import zipfile
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from .data import atomic_write_bytes, load_dataset
-from .errors import D3DError
+from .errors import D3DError, first_line
 
 PROMPT_TAIL = 16     # prompt tokens kept before each response (the chat template's assistant header)
 MAX_MATCHES = 64     # matched positions examined per lookup (the last in index order: the latest on a full key)
@@ -299,8 +300,8 @@ def load_datastore(path: str | Path, vocab_size: int | None = None) -> Datastore
     try:
         z = np.load(path)
         stored, size, meta = z["tokens"], int(z["vocab_size"]), json.loads(str(z["meta"]))
-    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as e:
-        raise D3DError(f"{path} is not a d3d datastore, or is truncated ({e})") from None
+    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+        raise D3DError(f"{path} is not a d3d datastore, or is truncated ({first_line(e)})") from None
     if vocab_size is not None and size != vocab_size:
         raise D3DError(f"{path} was built for a vocabulary of {size} tokens; the target has {vocab_size}")
     sep = separator(size)

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import torch
 
-from .checkpoints import umask_modes
+from .atomic import atomic_folder
+from .checkpoints import read_safetensors
 from .drafter import Drafter, DrafterConfig, drafter_class, model_state, tokenizer_fingerprint
-from .errors import D3DError
+from .errors import D3DError, first_line
 from .fastpath import pack_linears
 from .lora import is_factor, merge_factors
 from .quantize import apply_quantize
@@ -84,32 +85,20 @@ def _shards(state: dict[str, torch.Tensor], max_bytes: int | None) -> list[dict[
 
 def save_drafter(d: Drafter, folder: Path, dtype: torch.dtype = torch.float16,
                  max_file_mb: float | None = None) -> None:
-    """Write drafter.safetensors + drafter.json into `folder` atomically (via a sibling temp folder).
+    """Write drafter.safetensors + drafter.json into `folder`, atomically and durably: the files are written
+    in a temp folder beside it that then takes its place (d3d.atomic.atomic_folder), so `folder` holds the
+    old drafter or the new one, whole, at every moment (where the file system can swap two folders in one
+    rename: see d3d.atomic.replace_folder), and an interruption leaves no temp folder.
     max_file_mb: split the weights into files of at most that size (drafter-00001-of-0000N.safetensors)."""
-    import os
-    import shutil
-    import tempfile
-
     from safetensors.torch import save_file
 
-    folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=folder.name + ".tmp"))
     state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in _trainable_state(d).items()}
     shards = _shards(state, None if max_file_mb is None else int(max_file_mb * 2**20))
-    for i, part in enumerate(shards):
-        name = WEIGHTS_NAME if len(shards) == 1 else f"drafter-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(part, tmp / name)
-    (tmp / CONFIG_NAME).write_text(json.dumps(asdict(d.cfg), indent=1) + "\n")
-    umask_modes(tmp)
-    if folder.exists():
-        old = folder.with_name(folder.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(folder, old)
-        os.replace(tmp, folder)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, folder)
+    with atomic_folder(Path(folder)) as tmp:
+        for i, part in enumerate(shards):
+            name = WEIGHTS_NAME if len(shards) == 1 else f"drafter-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(part, tmp / name)
+        (tmp / CONFIG_NAME).write_text(json.dumps(asdict(d.cfg), indent=1) + "\n")
 
 
 def _share_target_layers(d: Drafter, target: Transformer) -> dict[str, torch.Tensor]:
@@ -144,21 +133,30 @@ def _merged_over_base(cfg: DrafterConfig, stored: dict[str, torch.Tensor]) -> di
     return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
 
 
+def read_drafter_config(folder: Path) -> DrafterConfig:
+    """A drafter folder's DrafterConfig, or a one-line D3DError naming drafter.json when it is missing, not
+    JSON (or not UTF-8), or not the fields of a DrafterConfig and of its ModelArgs."""
+    path = folder / CONFIG_NAME
+    if not path.exists():
+        raise D3DError(f"not a drafter: {folder} (no {CONFIG_NAME})")
+    try:
+        cfg = DrafterConfig(**json.loads(path.read_text()))
+        if not isinstance(cfg.args, dict) or not isinstance(cfg.target, dict):
+            raise TypeError("'args' and 'target' must be objects")
+        cfg.model_args  # ModelArgs(**args): a missing or unknown field is a TypeError
+    except (ValueError, TypeError) as e:  # not JSON, not an object, or fields a DrafterConfig does not have
+        raise D3DError(f"{path} is not a valid drafter config ({type(e).__name__}: {e})") from None
+    return cfg
+
+
 def load_drafter(folder: str | Path, target: Transformer, tokenizer, device: str = "cpu",
                  quantize: str | None = None) -> Drafter:
     """Load a drafter for `target`; a drafter trained for another tokenizer/target is a clear error.
     What the checkpoint does not store (embedding, head rows, cfg.from_target layers) comes from `target`.
     quantize: "int8" quantizes the drafter whatever the target's precision (its numerics only change which
     tokens are proposed, never the output, which verification takes from the target); None: as the target."""
-    from safetensors.torch import load_file
-
     folder = Path(folder)
-    if not (folder / CONFIG_NAME).exists():
-        raise D3DError(f"not a drafter: {folder} (no {CONFIG_NAME})")
-    try:
-        cfg = DrafterConfig(**json.loads((folder / CONFIG_NAME).read_text()))
-    except (ValueError, TypeError) as e:  # not JSON, not an object, or fields a DrafterConfig does not have
-        raise D3DError(f"{folder / CONFIG_NAME} is not a valid drafter config ({type(e).__name__}: {e})") from None
+    cfg = read_drafter_config(folder)
     t = cfg.target
     if t.get("tokenizer") != tokenizer_fingerprint(tokenizer) or t.get("vocab_size") != target.args.vocab_size \
             or t.get("dim") != target.args.dim:
@@ -172,14 +170,17 @@ def load_drafter(folder: str | Path, target: Transformer, tokenizer, device: str
         d = drafter_class(cfg.kind)(cfg)
     state = {}
     for f in files:
-        state |= {k: v.float() if v.is_floating_point() else v for k, v in load_file(f).items()}
+        state |= {k: v.float() if v.is_floating_point() else v for k, v in read_safetensors(f).items()}
     if not cfg.own_embeddings:
         state["tok_embeddings.weight"] = target.tok_embeddings.weight
         state["output.weight"] = target.output.weight[state["draft_ids"]]
     if cfg.lora_rank:
         state = _merged_over_base(cfg, state)
     state |= _share_target_layers(d, target)
-    d.load_state_dict(state, strict=True, assign=True)
+    try:
+        d.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as e:
+        raise D3DError(f"drafter {folder}: its weights do not match its {CONFIG_NAME} ({first_line(e)})") from None
     d.inv_freq = rope_frequencies(cfg.model_args)
     d = pack_linears(d.to(device).eval().requires_grad_(False))
     d = apply_quantize(d, quantize or getattr(target, "quantized", None), tokenizer, batch_invariant=False)

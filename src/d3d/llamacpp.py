@@ -11,14 +11,12 @@ is 1 by construction.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from pathlib import Path
 
-from .checkpoints import umask_modes
+from .atomic import atomic_path
 from .engine import GenerationResult, StopChecker
-from .errors import D3DError
+from .errors import D3DError, first_line
 from .registry import Method, Setup, register
 from .verify import SamplingParams
 
@@ -39,50 +37,56 @@ def source_gguf(model_dir: Path) -> Path:
 
 
 def convert_gguf(src: Path, dst: Path, weights: str) -> Path:
-    """Rewrite `src` with every tensor as F32 (dequantized) or Q8_0, same metadata; atomic."""
+    """Rewrite `src` with every tensor as F32 (dequantized) or Q8_0, same metadata; atomic (d3d.atomic: an
+    interruption leaves no temp file). A source the gguf library cannot read is a D3DError naming it."""
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, Keys
     from gguf.quants import dequantize, quantize
 
     qtype = {"f32": GGMLQuantizationType.F32, "q8_0": GGMLQuantizationType.Q8_0}[weights]
     file_type = {"f32": 0, "q8_0": 7}[weights]  # llama_ftype: ALL_F32, MOSTLY_Q8_0
-    reader = GGUFReader(src)
-    arch = reader.fields[Keys.General.ARCHITECTURE].contents()
+    try:
+        reader = GGUFReader(src)
+        arch = reader.fields[Keys.General.ARCHITECTURE].contents()
+    except (OSError, ValueError, KeyError, IndexError) as e:
+        raise D3DError(f"cannot read {src} as a GGUF file: {first_line(e)}") from None
     dst.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=dst.name + ".tmp")
-    os.close(fd)
-    writer = GGUFWriter(tmp, arch)
-    for field in reader.fields.values():
-        if field.name in (Keys.General.ARCHITECTURE, Keys.General.FILE_TYPE) or field.name.startswith("GGUF."):
-            continue
-        kind = field.types[0]
-        writer.add_key_value(field.name, field.contents(), kind,
-                             sub_type=field.types[-1] if kind == GGUFValueType.ARRAY else None)
-    writer.add_file_type(file_type)
-    for t in reader.tensors:
-        data = dequantize(t.data, t.tensor_type).astype(np.float32)
-        # norms and other 1-D tensors stay F32, as llama.cpp's own converter keeps them
-        if qtype == GGMLQuantizationType.F32 or data.ndim < 2 or data.shape[-1] % 32:
-            writer.add_tensor(t.name, data)
-        else:
-            writer.add_tensor(t.name, quantize(data, qtype), raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(umask_modes(Path(tmp)), dst)
+    with atomic_path(dst) as tmp:
+        writer = GGUFWriter(tmp, arch)
+        for field in reader.fields.values():
+            if field.name in (Keys.General.ARCHITECTURE, Keys.General.FILE_TYPE) or field.name.startswith("GGUF."):
+                continue
+            kind = field.types[0]
+            writer.add_key_value(field.name, field.contents(), kind,
+                                 sub_type=field.types[-1] if kind == GGUFValueType.ARRAY else None)
+        writer.add_file_type(file_type)
+        for t in reader.tensors:
+            data = dequantize(t.data, t.tensor_type).astype(np.float32)
+            # norms and other 1-D tensors stay F32, as llama.cpp's own converter keeps them
+            if qtype == GGMLQuantizationType.F32 or data.ndim < 2 or data.shape[-1] % 32:
+                writer.add_tensor(t.name, data)
+            else:
+                writer.add_tensor(t.name, quantize(data, qtype), raw_dtype=qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
     return dst
 
 
 def reference_gguf(model_dir: Path, weights: str = "f32") -> Path:
-    """The cached GGUF of the target's weights as `weights` (f32 or q8_0), made once."""
-    from .checkpoints import cache_dir
+    """The cached GGUF of the target's weights as `weights` (f32 or q8_0), made once (under the cache lock:
+    a process that waited finds it done)."""
+    from .checkpoints import cache_dir, cache_lock
 
     if weights not in WEIGHT_TYPES:
         raise D3DError(f"llama.cpp weights must be one of {', '.join(WEIGHT_TYPES)} (got {weights!r})")
     src = source_gguf(model_dir)
     dst = cache_dir() / "gguf" / f"{Path(model_dir).name}.{weights.upper()}.gguf"
-    return dst if dst.exists() else convert_gguf(src, dst, weights)
+    if dst.exists():
+        return dst
+    with cache_lock(f"gguf-{dst.name}"):
+        return dst if dst.exists() else convert_gguf(src, dst, weights)
 
 
 class LlamaCppRunner:

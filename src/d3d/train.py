@@ -5,7 +5,6 @@ The batches and the objective are d3d.batches and d3d.losses.
 from __future__ import annotations
 
 import math
-import os
 import random
 import time
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from .atomic import atomic_path
 from .batches import TrainConfig, batch_to, draft_vocabulary, make_batch, target_features, vocab_map_for
 from .data import Example, atomic_write_json
 from .drafter import Drafter, bypassed
@@ -61,13 +61,13 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def _save_state(path: Path, model: Drafter, opt, step: int, history: list) -> None:
-    """Weights that train (and buffers) + AdamW state: frozen weights are rebuilt on resume."""
+    """Weights that train (and buffers) + AdamW state: frozen weights are rebuilt on resume. Written
+    atomically and durably (d3d.atomic.atomic_path), so a resume finds the last state whole."""
     kept = {n for n, p in model.named_parameters() if p.requires_grad} | {n for n, _ in model.named_buffers()}
     state = {"model": {k: v for k, v in model.state_dict().items() if k in kept},
              "opt": opt.state_dict(), "step": step, "history": history}
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        torch.save(state, tmp)
 
 
 def train(model: Drafter, examples: list[Example], cfg: TrainConfig, run_dir: Path, log=print,
@@ -94,6 +94,9 @@ def train(model: Drafter, examples: list[Example], cfg: TrainConfig, run_dir: Pa
             state = torch.load(state_path, map_location="cpu", weights_only=True)
         except Exception as e:
             raise D3DError(f"cannot resume from {state_path} ({type(e).__name__}); delete it to start over") from e
+        saved_ids = state["model"].get("draft_ids")
+        if saved_ids is not None and not torch.equal(saved_ids, model.draft_ids.cpu()):
+            raise D3DError(f"{state_path} was trained with another draft vocabulary than this drafter's")
         model.load_state_dict(state["model"], strict=False)
         opt.load_state_dict(state["opt"])
         step, history = state["step"], state["history"]
@@ -199,6 +202,20 @@ def target_shape(target: str | None):
     return model, load_tokenizer(model_dir), model_dir
 
 
+def resumed_draft_ids(run_dir: Path) -> torch.Tensor | None:
+    """The draft vocabulary of the run being resumed in run_dir, if any. It must not be recomputed:
+    the vocabulary is the most frequent tokens of the training data, so data added before a resume would
+    pick other head rows than the ones the saved adapters and mask embedding were trained with."""
+    state_path = run_dir / "state.pt"
+    if not state_path.exists():
+        return None
+    try:
+        state = torch.load(state_path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise D3DError(f"cannot resume from {state_path} ({type(e).__name__}); delete it to start over") from e
+    return state["model"].get("draft_ids")
+
+
 def train_drafter(target: str | None, data: Path, out: Path, run_dir: Path, layers: list[int] | None,
                   draft_vocab: int, block_size: int, cfg: TrainConfig, heldout: int = 64, command: str = "",
                   max_shards: int | None = None, kind: str = "d3d", target_layers: list[int] | None = None,
@@ -235,8 +252,11 @@ def train_drafter(target: str | None, data: Path, out: Path, run_dir: Path, laye
             raise D3DError(f"--init {init} is a {drafter.cfg.kind!r} drafter, not {kind!r} (see --kind)")
         drafter.cfg.from_target = [i for i in drafter.cfg.from_target if i < cfg.freeze_below]
     else:
-        draft_ids = draft_vocabulary(train_set, draft_vocab, model.args.vocab_size, [tok.eos_token_id]) \
-            if draft_vocab else None
+        draft_ids = resumed_draft_ids(run_dir) if draft_vocab else None
+        if draft_ids is not None and len(draft_ids) != draft_vocab:
+            raise D3DError(f"{run_dir} resumes a run with a {len(draft_ids)}-token draft vocabulary, not {draft_vocab}")
+        if draft_ids is None and draft_vocab:
+            draft_ids = draft_vocabulary(train_set, draft_vocab, model.args.vocab_size, [tok.eos_token_id])
         if init_model is not None:
             drafter = init_model_drafter(model, tok, target or DEFAULT_TARGET, model_dir, init_model, layers,
                                          block_size, draft_ids, cfg.freeze_below, lora_rank)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
-from ..errors import D3DError
+from ..errors import D3DError, first_line
 from ..registry import check_method_options, get
 
 
@@ -64,17 +65,25 @@ def method_options(args: argparse.Namespace) -> dict:
     return check_method_options(options, lambda name: "--" + name.replace("_", "-"))
 
 
+@contextmanager
+def loading(what: str):
+    """Any failure to read a checkpoint, tokenizer or datastore in the block (config and weights that do
+    not match, a file that cannot be read) becomes a one-line D3DError "could not load `what`: ..."; the
+    commands load what they run inside it."""
+    try:
+        yield
+    except D3DError:
+        raise
+    except (OSError, ValueError, KeyError, RuntimeError, TypeError) as e:
+        raise D3DError(f"could not load {what}: {first_line(e)}") from None
+
+
 def open_target(target: str | None, device: str = "cpu", quantize: str | None = None, compile: bool = False):
     """load_target, with any failure to read the checkpoint reported as a user error."""
     from ..loading import load_target
 
-    try:
+    with loading(f"target {target}"):
         return load_target(target, device, quantize=quantize, compile=compile)
-    except D3DError:
-        raise
-    except (OSError, ValueError, KeyError, RuntimeError, TypeError) as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise D3DError(f"could not load target {target}: {msg}") from None
 
 
 def check_max_shards(max_shards: int | None) -> None:

@@ -6,7 +6,7 @@ import shlex
 from pathlib import Path
 
 from ..errors import D3DError
-from .checks import check_drafter, check_max_shards, int_list, open_target
+from .checks import check_drafter, check_max_shards, int_list, loading, open_target
 
 
 def check_datasets(data: str, extra: list[str] | None) -> list[str]:
@@ -19,13 +19,14 @@ def check_datasets(data: str, extra: list[str] | None) -> list[str]:
 
 def cmd_data(args: argparse.Namespace) -> None:
     from ..checkpoints import DEFAULT_TARGET
-    from ..data import build_dataset
-    from ..loading import load_target
+    from ..data import build_dataset, dataset_manifest
 
     for name in ("max_tokens", "max_new_tokens", "batch_size", "shard_size"):
         if getattr(args, name) <= 0:
             raise D3DError(f"--{name.replace('_', '-')} must be > 0 (got {getattr(args, name)})")
-    model, tok, model_dir = load_target(args.target)
+    dataset_manifest(Path(args.out), args.target or DEFAULT_TARGET, args.max_new_tokens, shard_size=args.shard_size,
+                     prompts=args.prompts)  # a folder made with other settings fails before the target loads
+    model, tok, model_dir = open_target(args.target)
     getattr(model, "drop_cpu_layers", lambda: None)()  # batched generation runs on the PyTorch layers
     log_path = Path(args.out) / "progress.log"
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -129,7 +130,8 @@ def cmd_prune(args: argparse.Namespace) -> None:
     check_drafter(args.drafter)
     model, tok, model_dir = open_target(args.target, "cpu")
     src = args.drafter or default_drafter(model_dir)
-    drafter = load_drafter(src, model, tok)
+    with loading(f"drafter {src}"):
+        drafter = load_drafter(src, model, tok)
     if not 1 <= args.min_layers <= len(drafter.layers):
         raise D3DError(f"--min-layers must be in 1..{len(drafter.layers)} (got {args.min_layers})")
     run_dir = Path(args.run_dir or Path(args.out).with_name(Path(args.out).name + ".run"))

@@ -42,7 +42,7 @@ def _add_target_args(p: argparse.ArgumentParser, device: bool = True) -> None:
 
 def _add_method_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-budget", type=int, default=None,
-                   help="d3d-tree: a fixed number of tokens per verified tree (default: fitted to this device's "
+                   help="d3d-tree, lookup-tree, suffix: a fixed number of tokens per verified tree (default: fitted to this device's "
                         "measured cost of a target forward vs its width, see d3d.tree.auto_tree)")
     p.add_argument("--ar-draft-k", type=int, default=None,
                    help="ar-draft: a fixed draft length (default: adaptive, starting at 4)")
@@ -52,7 +52,7 @@ def _add_method_options(p: argparse.ArgumentParser) -> None:
                    help="d3d-tree, lookup-tree: retrieve continuations from this datastore (`d3d datastore` "
                         "builds one; default: the one shipped for the target; none: no retrieval)")
     p.add_argument("--no-learn", action="store_true",
-                   help="d3d-tree, lookup-tree: do not also retrieve from this run's own earlier generations "
+                   help="d3d-tree, lookup-tree, suffix: do not also draft from this run's own earlier generations "
                         "(default: every finished generation joins a bounded index of the method's own, which "
                         "changes drafts only, never the output)")
     p.add_argument("--learn-tokens", type=int, default=None, metavar="N",
@@ -232,8 +232,7 @@ def _serve(sub) -> None:
                                    "also retrieved from earlier requests' answers (at most --learn-tokens tokens, "
                                    "the oldest dropped first). Only drafts: every answer is the target's own "
                                    "either way, but a request's speed can depend on what earlier requests "
-                                   "generated; --no-learn turns it off (suffix always learns: do not serve it "
-                                   "to clients who must not learn about each other's requests).")
+                                   "generated; --no-learn turns it off (for suffix too).")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 = any free port")
     p.add_argument("--method", default=None,

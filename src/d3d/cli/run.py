@@ -10,13 +10,13 @@ from pathlib import Path
 
 from ..errors import D3DError
 from ..registry import check_method_options, drafter_options, get
-from .checks import (check_budget, check_device, check_drafter, dest, drafter_for, method_options, named_paths,
-                     num_threads, open_target, output_folder, sampling)
+from .checks import (check_budget, check_device, check_drafter, dest, drafter_for, loading, method_options,
+                     named_paths, num_threads, open_target, output_folder, sampling)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
     from ..engine import check_stop
-    from ..methods import check_quantize_drafter, make_runner, parse_methods
+    from ..methods import check_quantize, check_quantize_drafter, make_runner, parse_methods
     from ..prompts import encode_prompt
 
     check_stop(args.stop)
@@ -40,10 +40,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
         output_folder(args.trace, "--trace")
 
     check_quantize_drafter(args.quantize_drafter, methods)
+    check_quantize(args.quantize, methods)
     drafter = drafter_for(method, args)
     model, tok, model_dir = open_target(args.target, args.device, args.quantize, args.compile)
-    runner = make_runner(method, model, tok, model_dir, drafter=drafter, block_size=args.block_size,
-                         draft_device=args.draft_device, quantize_drafter=args.quantize_drafter, **options)
+    with loading(f"method {method}"):
+        runner = make_runner(method, model, tok, model_dir, drafter=drafter, block_size=args.block_size,
+                             draft_device=args.draft_device, quantize_drafter=args.quantize_drafter, **options)
     extra = {"trace": []} if args.trace else {}
     res = runner(encode_prompt(tok, args.prompt, args.raw), params=params, max_new_tokens=args.max_new_tokens,
                  stop=args.stop, **extra)
@@ -109,7 +111,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from ..bench import format_table, machine_info, run_bench
     from ..data import atomic_write_json
     from ..drafter_files import weights_fingerprint
-    from ..methods import check_quantize_drafter, make_runner, parse_methods
+    from ..methods import check_quantize, check_quantize_drafter, make_runner, parse_methods
 
     methods = parse_methods(args.methods)
     methods = ["ar"] + [m for m in dict.fromkeys(methods) if m != "ar"]
@@ -131,14 +133,17 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if stores and args.datastore is not None:
         raise D3DError("--datastores names every datastore to run: it excludes --datastore")
     check_quantize_drafter(args.quantize_drafter, methods)
+    check_quantize(args.quantize, methods)
     prompts = _bench_prompts(args)
     out = output_folder(args.out, "--out")
 
     model, tok, model_dir = open_target(args.target, args.device, args.quantize, args.compile)
     runs = _bench_runs(methods, named, stores, args, model_dir)
-    runners = {name: make_runner(m, model, tok, model_dir, drafter=path, block_size=args.block_size,
-                                 quantize_drafter=args.quantize_drafter, **(options | extra))
-               for name, (m, path, extra) in runs.items()}
+    runners = {}
+    for name, (m, path, extra) in runs.items():
+        with loading(f"method {name}"):
+            runners[name] = make_runner(m, model, tok, model_dir, drafter=path, block_size=args.block_size,
+                                        quantize_drafter=args.quantize_drafter, **(options | extra))
     settings = {"methods": methods, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                 "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "block_size": args.block_size,
                 "raw": args.raw, "target": args.target,
@@ -214,8 +219,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
     check_address(args.host, args.port)
     options = method_options(args)
     method = args.method or best_method(args.target)
-    gen = load(args.target, method, drafter_for(method, args), device=args.device, block_size=args.block_size,
-               quantize=args.quantize, compile=args.compile, quantize_drafter=args.quantize_drafter, **options)
+    drafter = drafter_for(method, args)
+    with loading(f"target {args.target} with method {method}"):
+        gen = load(args.target, method, drafter, device=args.device, block_size=args.block_size,
+                   quantize=args.quantize, compile=args.compile, quantize_drafter=args.quantize_drafter, **options)
     print(f"d3d serve: {gen.name} with method {gen.method} on http://{args.host}:{args.port} "
           f"(web page at /, OpenAI API at /v1; API key {'required' if key else 'not required'})",
           file=sys.stderr, flush=True)

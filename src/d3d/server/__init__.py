@@ -30,12 +30,12 @@ round (finish_reason "length", d3d.finish_reason "timeout"), or answered 504 if 
 Tokenisation runs in a helper thread, text decoding and stop handling in the worker thread, so the
 event loop never does work that grows with a request's size.
 
-What requests share: one Generator, so with lookup-tree and d3d-tree (unless started with --no-learn)
-and suffix, every finished answer joins the method's store of earlier generations (at most
+What requests share: one Generator, so with lookup-tree, d3d-tree and suffix (unless started with
+--no-learn), every finished answer joins the method's store of earlier generations (at most
 --learn-tokens tokens, the oldest dropped first) and later requests draft from it. Only drafts: every
 answer is the target's own either way; but how fast a request decodes can depend on what earlier
 requests generated, which a client could time, so a server shared by clients who must not learn
-anything about each other's requests should run with --no-learn (and not with suffix).
+anything about each other's requests should run with --no-learn.
 
 Streamed chunks carry, besides the OpenAI fields, a `d3d` object per round: `accepted` (draft tokens
 accepted in the round), `tokens` (the round's token ids), `segments` (the round's text split into
