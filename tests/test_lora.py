@@ -82,6 +82,13 @@ def test_train_with_lora_rank_resumes_and_writes_factors(tmp_path, smol):
     assert summary["steps_done"] == 3
     assert torch.equal(load_drafter(tmp_path / "w", model, tok).draft_ids, first_ids)
 
+    # --init would merge the adapters at load and train nothing but the mask embedding: refused
+    r = subprocess.run([sys.executable, "-m", "d3d.cli", "train", "--init", str(tmp_path / "w"), "--out",
+                        str(tmp_path / "x"), "--data", str(ROOT / "data" / "distill")], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "is a LoRA drafter; continue its training from its run folder" in r.stderr.strip().splitlines()[-1]
+
 
 def test_lora_rank_without_a_base_model_is_a_one_line_error(tmp_path):
     r = subprocess.run([sys.executable, "-m", "d3d.cli", "train", "--out", str(tmp_path / "x"), "--init-model",

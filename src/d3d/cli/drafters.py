@@ -65,6 +65,11 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     if args.init:
         check_drafter(args.init)
+        from ..drafter_files import read_drafter_config
+
+        if read_drafter_config(Path(args.init)).lora_rank:  # loading merges the adapters: nothing would train
+            raise D3DError(f"--init {args.init} is a LoRA drafter; continue its training from its run folder "
+                           "instead (the command that made it, with a larger --steps and the same --run-dir)")
     if args.init_model is not None and (args.init or args.kind != "d3d"):
         raise D3DError("--init-model builds a new d3d drafter: it excludes --init and --kind other than d3d")
     if args.lora_rank < 0 or (args.lora_rank and args.init_model in (None, "target")):
