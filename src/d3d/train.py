@@ -70,6 +70,14 @@ def _save_state(path: Path, model: Drafter, opt, step: int, history: list) -> No
         torch.save(state, tmp)
 
 
+def _load_state(path: Path) -> dict:
+    """A run folder's state.pt: tensors, numbers and lists only, so a crafted pickle cannot run code here."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise D3DError(f"cannot resume from {path} ({type(e).__name__}); delete it to start over") from e
+
+
 def train(model: Drafter, examples: list[Example], cfg: TrainConfig, run_dir: Path, log=print,
           target=None, feats: list[torch.Tensor] | None = None, teacher=None) -> list[dict]:
     """Train in place; resumes from run_dir/state.pt if present. Returns the per-step history.
@@ -90,10 +98,7 @@ def train(model: Drafter, examples: list[Example], cfg: TrainConfig, run_dir: Pa
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     step, history = 0, []
     if state_path.exists():
-        try:  # tensors, numbers and lists only: a crafted pickle cannot run code here
-            state = torch.load(state_path, map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise D3DError(f"cannot resume from {state_path} ({type(e).__name__}); delete it to start over") from e
+        state = _load_state(state_path)
         saved_ids = state["model"].get("draft_ids")
         if saved_ids is not None and not torch.equal(saved_ids, model.draft_ids.cpu()):
             raise D3DError(f"{state_path} was trained with another draft vocabulary than this drafter's")
@@ -209,11 +214,7 @@ def resumed_draft_ids(run_dir: Path) -> torch.Tensor | None:
     state_path = run_dir / "state.pt"
     if not state_path.exists():
         return None
-    try:
-        state = torch.load(state_path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise D3DError(f"cannot resume from {state_path} ({type(e).__name__}); delete it to start over") from e
-    return state["model"].get("draft_ids")
+    return _load_state(state_path)["model"].get("draft_ids")
 
 
 def train_drafter(target: str | None, data: Path, out: Path, run_dir: Path, layers: list[int] | None,
