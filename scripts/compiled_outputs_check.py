@@ -5,7 +5,7 @@ tokens, made by an earlier eager runtime), each runtime is fed the prompt and th
 and its greedy choice at every position is compared with the committed next token, one token at a time
 (the decoding step) and the whole answer in one forward (after two tokens). Runtimes: `pytorch` (the
 layers as PyTorch modules, the runtime that made the answers), `cpu` (the default: one C++ call per
-layer, d3d.kernels), `compiled` (`--compile`: two inductor graphs). Slow (about 5 minutes per runtime at
+layer, d3d.runtime.kernels), `compiled` (`--compile`: two inductor graphs). Slow (about 5 minutes per runtime at
 one thread), hence a script and not a test.
 
     python scripts/compiled_outputs_check.py --threads 1 --out results/compiled_outputs_cpu.json
@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from d3d.bench import machine_info
-from d3d.data import atomic_write_json
-from d3d.loading import load_target
-from d3d.prompts import MultiTurn, benchmark_prompts, encode_prompt
+from d3d.bench.harness import machine_info
+from d3d.atomic import atomic_write_json
+from d3d.runtime.loading import load_target
+from d3d.corpus.prompts import MultiTurn, benchmark_prompts, encode_prompt
 
 REPORT = Path(__file__).parents[1] / "results" / "bench_full_t0_cpu.json"
 

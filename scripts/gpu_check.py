@@ -23,9 +23,10 @@ from dataclasses import asdict
 
 import torch
 
-from d3d.drafter import Drafter, DrafterConfig
-from d3d.packed import packed_draft
-from d3d.target import ModelArgs, Transformer, rope_frequencies
+from d3d.drafters.drafter import Drafter, DrafterConfig
+from d3d.decoding.packed import packed_draft
+from d3d.runtime.target import Transformer
+from d3d.runtime.layers import ModelArgs, rope_frequencies
 
 SHAPES = {
     "qwen3-8b": ModelArgs(vocab_size=151936, dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128,

@@ -13,11 +13,11 @@ Phases, each bounded in wall time (--gen-seconds, --train-seconds) so the whole 
    as `d3d data` shards (OUT/data), so `d3d train --data OUT/data` can reuse them. Greedy answers to
    every prompt come first; if they hold fewer than --gen-tokens tokens, sampled answers
    (temperature --sample-temperature, seeded) to the same prompts follow until the goal is reached.
-3. Training: the whole target converted to a token-shift block-diffusion drafter (d3d.drafter), the
-   D3D objective of d3d.losses (blockwise denoising + ar_weight x AR), AdamW, cosine schedule sized to the
+3. Training: the whole target converted to a token-shift block-diffusion drafter (d3d.drafters.drafter), the
+   D3D objective of d3d.training.losses (blockwise denoising + ar_weight x AR), AdamW, cosine schedule sized to the
    time budget after a few timed steps; bf16 autocast on CUDA.
-4. Estimate: held-out teacher-forced tau (d3d.losses.evaluate) before and after, and replayed greedy
-   tau (d3d.estimate) on the first prompts of gsm8k, humaneval and mt-bench if those packages exist.
+4. Estimate: held-out teacher-forced tau (d3d.training.losses.evaluate) before and after, and replayed greedy
+   tau (d3d.training.estimate) on the first prompts of gsm8k, humaneval and mt-bench if those packages exist.
 5. OUT/drafter: a delta checkpoint (layers below --freeze-below are the target's and are not stored),
    split into files of at most --max-file-mb; OUT/report.json: settings, timings, token counts, taus.
 """
@@ -34,17 +34,18 @@ from pathlib import Path
 
 import torch
 
-from d3d.batches import TrainConfig, batch_to, make_batch, vocab_map_for
-from d3d.checkpoints import DEFAULT_TARGET
-from d3d.data import Example, atomic_write_json, generate_batch, save_shard
-from d3d.drafter import drafter_from_target
-from d3d.drafter_files import save_drafter, weight_files
+from d3d.training.batches import TrainConfig, batch_to, make_batch, vocab_map_for
+from d3d.runtime.checkpoints import DEFAULT_TARGET
+from d3d.corpus.data import Example, generate_batch, save_shard
+from d3d.atomic import atomic_write_json
+from d3d.drafters.convert import drafter_from_target
+from d3d.drafters.files import save_drafter, weight_files
 from d3d.errors import D3DError
-from d3d.loading import load_target
-from d3d.losses import evaluate, losses
-from d3d.prompts import (CALIBRATION_SETS, SHAREGPT_HELDOUT_POOL, _sharegpt_shuffled, benchmark_prompt_hashes,
-                         calibration_prompts, encode_prompt, prompt_hash, training_mix)
-from d3d.train import lr_at, trainable_parameters
+from d3d.runtime.loading import load_target
+from d3d.training.losses import evaluate, losses
+from d3d.corpus.prompts import (CALIBRATION_SETS, SHAREGPT_HELDOUT_POOL, _sharegpt_shuffled, benchmark_prompt_hashes,
+                                calibration_prompts, encode_prompt, prompt_hash, training_mix)
+from d3d.training.train import lr_at, trainable_parameters
 
 SHARD_SIZE = 4096  # examples per data shard
 
@@ -216,8 +217,8 @@ def train_timed(drafter, examples: list[Example], cfg: TrainConfig, seconds: flo
 
 
 def replay_tau(drafter, model, tok, n: int, max_new_tokens: int) -> dict:
-    """Replayed greedy tau on the first n prompts of gsm8k, humaneval and mt-bench (d3d.estimate)."""
-    from d3d.estimate import benchmark_continuations, mean_tau
+    """Replayed greedy tau on the first n prompts of gsm8k, humaneval and mt-bench (d3d.training.estimate)."""
+    from d3d.training.estimate import benchmark_continuations, mean_tau
 
     conts = benchmark_continuations(model, tok, ["gsm8k", "humaneval", "mt-bench"], n, max_new_tokens)
     per = {b: round(mean_tau(drafter, [p for p, _ in rows], [c for _, c in rows], max_new_tokens), 4)

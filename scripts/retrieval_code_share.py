@@ -17,10 +17,11 @@ import argparse
 import json
 import random
 
-from d3d.checkpoints import load_tokenizer, read_hf_config, resolve_target
-from d3d.data import atomic_write_json, load_dataset
-from d3d.datastore import Datastore, example_tokens
-from d3d.verify import leading_matches
+from d3d.runtime.checkpoints import load_tokenizer, read_hf_config, resolve_target
+from d3d.corpus.data import load_dataset
+from d3d.atomic import atomic_write_json
+from d3d.corpus.datastore import Datastore, example_tokens
+from d3d.decoding.verify import leading_matches
 
 CODE_MARKS = ("def ", "```", "import ", "function", "return ")
 

@@ -18,12 +18,12 @@ import sys
 import torch
 import torch.nn as nn
 
-from d3d.bench import machine_info
-from d3d.data import atomic_write_json
-from d3d.fastpath import PackedLinear
-from d3d.loading import load_target
-from d3d.methods import make_runner
-from d3d.prompts import MultiTurn, benchmark_prompts, encode_prompt
+from d3d.bench.harness import machine_info
+from d3d.atomic import atomic_write_json
+from d3d.runtime.fastpath import PackedLinear
+from d3d.runtime.loading import load_target
+from d3d.methods.catalog import make_runner
+from d3d.corpus.prompts import MultiTurn, benchmark_prompts, encode_prompt
 
 
 def unpacked(model: nn.Module, on: bool) -> None:

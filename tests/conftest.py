@@ -6,8 +6,9 @@ import os
 import pytest
 import torch
 
-from d3d.loading import load_target
-from d3d.prompts import benchmark_prompts, encode_prompt
+from d3d.runtime.loading import load_target
+from d3d.corpus.prompts import benchmark_prompts, encode_prompt
+from helpers import tiny_model
 
 CHAT_PROMPTS = [
     "Write a short poem about the sea.",
@@ -24,6 +25,13 @@ def smol():
     D3D_TEST_THREADS overrides it."""
     torch.set_num_threads(int(os.environ.get("D3D_TEST_THREADS", "1")))
     return load_target(None)
+
+
+def pytest_collection_modifyitems(items):
+    """Every test that loads the real default target (the smol fixture, directly or through another) is slow."""
+    for item in items:
+        if "smol" in item.fixturenames:
+            item.add_marker(pytest.mark.slow)
 
 
 def real_prompts(tokenizer, n_gsm8k: int = 5) -> list[list[int]]:
@@ -45,10 +53,8 @@ def short_answer_ids(smol) -> list[int]:
 
 @pytest.fixture(scope="module")
 def tiny():
-    """The law tests' tiny target (sampling_law.tiny_model), one per module, on one thread: thousands of
+    """The law tests' tiny target (helpers.tiny_model), one per module, on one thread: thousands of
     tiny forwards, where threading only adds overhead."""
-    from sampling_law import tiny_model
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield tiny_model()

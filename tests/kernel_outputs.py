@@ -13,9 +13,10 @@ import sys
 
 import torch
 
-from d3d.kernels import kernel_path, load_kernels, pack_fp32, pack_int8
-from d3d.quantize import Int8Linear
-from d3d.target import ModelArgs, Transformer
+from d3d.runtime.kernels import kernel_path, load_kernels, pack_fp32, pack_int8
+from d3d.runtime.quantize import Int8Linear
+from d3d.runtime.target import Transformer
+from d3d.runtime.layers import ModelArgs
 
 
 def products() -> dict[str, torch.Tensor]:

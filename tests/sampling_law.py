@@ -1,6 +1,6 @@
 """Exact output laws of plain sampling on tiny models, and a goodness-of-fit test against them.
 
-The reference law is computed here in float64 by sorting, apart from d3d.verify.probs_from_logits, so a
+The reference law is computed here in float64 by sorting, apart from d3d.decoding.verify.probs_from_logits, so a
 mistake there (temperature, top-k, top-p) cannot hide by being in both the engines and the reference.
 """
 from __future__ import annotations
@@ -12,13 +12,9 @@ from typing import Callable
 import torch
 from scipy import stats
 
-from d3d.datastore import Datastore
-from d3d.drafter import Drafter, drafter_from_target
-from d3d.target import ModelArgs, Transformer
-from d3d.verify import SamplingParams, probs_from_logits, sample
-
-V = 8
-EOS = 7
+from d3d.decoding.engine import generate
+from d3d.decoding.verify import SamplingParams, probs_from_logits, sample
+from helpers import V, StubTokenizer, tiny_datastore, tiny_drafter, tiny_model
 
 
 def reference_law(logits: list[float], params: SamplingParams) -> list[float]:
@@ -80,54 +76,6 @@ def chi2_pvalue(samples: list[tuple[int, ...]], dist: dict[tuple[int, ...], floa
     return float(stats.chisquare(observed, expected).pvalue)
 
 
-# --------------------------------------------------------------------------------------------
-# Tiny models whose laws can be enumerated
-
-
-class StubTokenizer:
-    eos_token_id = EOS
-
-    def get_vocab(self):
-        return {f"t{i}": i for i in range(V)}
-
-    def decode(self, ids):
-        return " ".join(map(str, ids))
-
-    def encode(self, text, add_special_tokens=True):
-        """Bytes mod V: what --quantize int8 reads its calibration text through (d3d.quantize)."""
-        return [b % V for b in text.encode()]
-
-
-def tiny_model(noise: float = 0.0) -> Transformer:
-    """The tiny target (same weights every time), or with `noise` added to its output layer: a drafter
-    that agrees with it only part of the time."""
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = Transformer(ModelArgs(vocab_size=V, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
-                                      intermediate_size=64, norm_eps=1e-5, rope_theta=10000, max_seq_len=64))
-        model.output.weight.data.add_(noise * torch.randn(model.output.weight.shape))
-    model.output.weight.data.mul_(2.5)  # peakier next-token laws, far from uniform
-    return model.eval().requires_grad_(False)
-
-
-def tiny_drafter(target: Transformer, block: int = 4) -> Drafter:
-    """An untrained D3D drafter copied from the tiny target's layers: right part of the time."""
-    return drafter_from_target(target, StubTokenizer(), "tiny", [0, 1], block).eval().requires_grad_(False)
-
-
-def tiny_datastore(target: Transformer, prompt: list[int], n: int = 24) -> Datastore:
-    """A datastore of the tiny target's own sampled continuations of `prompt` (temperature 1, 6 tokens
-    each), as `d3d datastore` makes one of distillation data: often, not always, what it says next."""
-    from d3d.engine import generate
-
-    sep = (1 << V.bit_length()) - 1
-    tokens = []
-    for seed in range(n):
-        res = generate(target, StubTokenizer(), prompt, SamplingParams(temperature=1.0, seed=1000 + seed), 6)
-        tokens += prompt[-2:] + res.token_ids + [sep]
-    return Datastore(torch.tensor(tokens).numpy(), V)
-
-
 def draw(run: Callable[[SamplingParams], object], params: SamplingParams, n: int,
          first: int | None = None) -> tuple[list[tuple[int, ...]], Counter]:
     """n independent outputs of run(params with seed i) (their first `first` tokens) and the histogram
@@ -147,3 +95,104 @@ def no_residual_update(cands, row, params, generator):
         if float(torch.rand(1, generator=generator)) < float(p[c.token]):
             return c.child, c.token
     return None, sample(p, generator)
+
+
+# --------------------------------------------------------------------------------------------
+# The law tests' settings, and every speculative method as a harness on the tiny target
+
+PROMPT = [1, 2, 3]
+N_SAMPLES = 1500
+MAX_NEW_TINY = 4  # with BLOCK_TINY = 4 the first round drafts 2 tokens after the prefill's token
+BLOCK_TINY = 4
+NOISE = 0.08  # the one-hot drafter's output-layer noise: it agrees with the target about half the time
+TEMP = SamplingParams(temperature=0.8)
+TRUNCATED = SamplingParams(temperature=0.8, top_k=5, top_p=0.9)
+
+
+def spec_draw(model, params: SamplingParams, proposer=None) -> tuple[list[tuple[int, ...]], Counter]:
+    """N_SAMPLES outputs of synchronous speculative sampling (plain sampling without a proposer); sample i
+    uses seed i and a proposer made with seed 10**6 + i."""
+    def run(p):
+        prop = None if proposer is None else proposer(10**6 + p.seed)
+        return generate(model, StubTokenizer(), PROMPT, p, MAX_NEW_TINY, block_size=BLOCK_TINY, proposer=prop)
+
+    return draw(run, params, N_SAMPLES)
+
+
+PROMPT_ALL = [1, 2, 3, 1, 2]  # a repeat, so that n-gram lookup finds matches
+FIRST = 4                     # the law of the first 4 tokens ...
+MAX_NEW_ALL = 6               # ... of generations long enough for several rounds (packed blocks, trees)
+N_ALL = 1200
+ASYNC_OPTIONS = {"d3d-async": {}, "d3d-async max_candidates=2": {"max_candidates": 2},
+                 "d3d-async successor_slots=2": {"successor_slots": 2}, "d3d-async head_all": {"head_all": True}}
+TOP_K = SamplingParams(temperature=0.8, top_k=3)  # top-k alone, and top-p alone: each cut on its own
+TOP_P = SamplingParams(temperature=0.8, top_p=0.8)
+PARAMS_ID = {id(TEMP): "temperature", id(TRUNCATED): "top_k+top_p", id(TOP_K): "top_k", id(TOP_P): "top_p"}
+
+
+def method_drafter(method: str):
+    """The tiny fp32 drafter `method` drafts with in this harness (None for ngram and lookup-tree): for the
+    D3D methods an untrained D3D drafter copied from a noisy copy of the target (helpers.tiny_drafter),
+    for ar-draft a causal drafter of that noisy copy's layers, for dflash a DFlash drafter of the target's first
+    layer reading both its layers (its fusion layer random), for draft-model the noisy copy itself."""
+    from d3d.methods.draftmodel import DraftModel
+    from d3d.drafters.convert import drafter_from_target
+
+    if method in ("ngram", "lookup-tree"):
+        return None
+    if method == "draft-model":
+        return DraftModel(tiny_model(noise=NOISE))
+    if method == "ar-draft":
+        d = drafter_from_target(tiny_model(noise=NOISE), StubTokenizer(), "tiny", [0, 1], BLOCK_TINY, kind="ar")
+    elif method == "dflash":
+        with torch.random.fork_rng():
+            torch.manual_seed(5)
+            d = drafter_from_target(tiny_model(), StubTokenizer(), "tiny", [0], BLOCK_TINY, kind="dflash",
+                                    target_layers=[0, 1])
+    else:
+        return tiny_drafter(tiny_model(noise=NOISE), BLOCK_TINY)
+    return d.eval().requires_grad_(False)
+
+
+def method_runner(method: str, target, drafter):
+    """params -> result of `method` on PROMPT_ALL (d3d-async without overlap: the same computation);
+    `drafter` is the method's drafter (method_drafter's kind; a DraftModel for draft-model)."""
+    from d3d.methods.ar_draft import ARDraftProposer
+    from d3d.decoding.async_engine import generate_async
+    from d3d.methods.dflash import DFlashProposer
+    from d3d.methods.draftmodel import DraftModelProposer
+    from d3d.methods.ngram import NgramProposer
+    from d3d.methods.d3d import D3DProposer
+    from d3d.decoding.tree import generate_tree
+    from d3d.methods.tree import TreeProposer
+    from d3d.decoding.treecost import WidthCost
+
+    tok = StubTokenizer()
+    if method == "ar":
+        return lambda p: generate(target, tok, PROMPT_ALL, p, MAX_NEW_ALL)
+    if method in ASYNC_OPTIONS:
+        return lambda p: generate_async(target, tok, PROMPT_ALL, p, MAX_NEW_ALL, drafter=drafter, overlap=False,
+                                        **ASYNC_OPTIONS[method])
+    if method == "d3d-tree":  # with a cost model: trees cut by width and the drafter skipped when it does not pay
+        cost = WidthCost({1: 1.0, 2: 1.2, 8: 1.6}, overhead=0.9)  # skips the drafter in about half the rounds
+        tree = TreeProposer(D3DProposer(drafter, V, max_len=64), budget=8, cost=cost)
+        return lambda p: generate_tree(target, tok, PROMPT_ALL, p, MAX_NEW_ALL, proposer=tree, max_depth=3)
+    if method == "suffix":  # arctic-inference's suffix trees over the prompt and the earlier samples' outputs
+        from d3d.methods.suffix import SuffixProposer, SuffixRunner, suffix_cache
+
+        run = SuffixRunner(target, tok, SuffixProposer(suffix_cache(), budget=8))
+        return lambda p: run(PROMPT_ALL, params=p, max_new_tokens=MAX_NEW_ALL)
+    if method == "lookup-tree":  # n-gram matches and continuations retrieved from the target's own samples
+        tree = TreeProposer(None, budget=8, cost=WidthCost({1: 1.0, 2: 1.2, 8: 1.6}),
+                            datastore=tiny_datastore(target, PROMPT_ALL))
+        return lambda p: generate_tree(target, tok, PROMPT_ALL, p, MAX_NEW_ALL, proposer=tree, max_depth=3)
+    if method == "ngram":  # with a cost model: drafts cut by their estimated chance against the width's cost
+        proposer = NgramProposer(cost=WidthCost({1: 1.0, 2: 1.1, 8: 1.6}))
+    elif method in ("ar-draft", "draft-model", "dflash"):
+        make = {"ar-draft": ARDraftProposer, "draft-model": DraftModelProposer, "dflash": DFlashProposer}[method]
+        proposer = make(drafter, V, max_len=64)
+    elif method == "d3d":
+        proposer = D3DProposer(drafter, V, max_len=64)
+    else:
+        raise ValueError(f"method_runner has no harness for method {method!r}")
+    return lambda p: generate(target, tok, PROMPT_ALL, p, MAX_NEW_ALL, proposer=proposer, block_size=BLOCK_TINY)

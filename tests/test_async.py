@@ -8,51 +8,17 @@ from collections import Counter
 import pytest
 import torch
 
-from d3d.async_engine import generate_async
-from d3d.drafter import Drafter, drafter_from_target
-from d3d.engine import generate
+from d3d.decoding.async_engine import generate_async
+from d3d.drafters.drafter import Drafter
+from d3d.decoding.engine import generate
 from d3d.errors import D3DError
-from d3d.packed import acceptance_law, keep_prefix, likely_candidates, packed_draft, packed_layout
-from d3d.target import ModelArgs, Transformer
-from d3d.trace import write_chrome_trace
-from d3d.verify import SamplingParams
+from d3d.decoding.packed import acceptance_law, keep_prefix, likely_candidates, packed_draft, packed_layout
+from d3d.decoding.trace import write_chrome_trace
+from d3d.decoding.verify import SamplingParams
+from helpers import EOS, V, StubTokenizer, tiny_pair
 from sampling_law import chi2_pvalue, exact_law
 
 torch.set_num_threads(1)  # thousands of tiny forwards: threading only adds overhead
-
-
-def tiny_args(vocab: int) -> ModelArgs:
-    return ModelArgs(vocab_size=vocab, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
-                     intermediate_size=64, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=128)
-
-
-class StubTokenizer:
-    def __init__(self, vocab: int, eos: int = -1):
-        self.vocab, self.eos_token_id = vocab, eos
-
-    def get_vocab(self):
-        return {f"t{i}": i for i in range(self.vocab)}
-
-    def decode(self, ids):
-        return " ".join(f"t{i}" for i in ids)
-
-
-def tiny_pair(vocab: int, block: int, seed: int = 0, favour: tuple[int, float] | None = None):
-    """A tiny random target and a drafter copied from its layers. `favour` = (token, strength) adds
-    a direction common to most hidden states to that token's head row (before the drafter copies it),
-    so that greedy outputs mix that token with others and drafts are accepted at every depth."""
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        target = Transformer(tiny_args(vocab)).eval().requires_grad_(False)
-        with torch.no_grad():
-            if favour is not None:
-                x, _ = target.hidden(torch.randint(vocab, (8, 32)))
-                mean = target.norm(x).reshape(-1, target.args.dim).mean(0)
-                target.output.weight[favour[0]] += favour[1] * mean / mean.norm()
-            else:
-                target.output.weight.mul_(2.5)  # peakier next-token laws, far from uniform
-        drafter = drafter_from_target(target, StubTokenizer(vocab), "tiny", [0, 1], block)
-    return target, drafter.eval().requires_grad_(False)
 
 
 def fresh(d: Drafter, ctx: list[int] = ()) -> Drafter:
@@ -160,7 +126,7 @@ def greedy_prompts(n: int = 4) -> list[list[int]]:
 
 def test_greedy_equals_plain_decoding(greedy_pair):
     target, d = greedy_pair
-    tok = StubTokenizer(16)
+    tok = StubTokenizer(16, eos=-1)
     accepted, hits, fallbacks = Counter(), 0, 0
     for ids in greedy_prompts():
         ar = generate(target, tok, ids, max_new_tokens=40)
@@ -179,7 +145,7 @@ def test_greedy_equals_plain_decoding(greedy_pair):
 @pytest.mark.parametrize("max_new", [1, 2, 3, 6, 17])
 def test_greedy_max_new_tokens_is_exact(greedy_pair, max_new):
     target, d = greedy_pair
-    tok = StubTokenizer(16)
+    tok = StubTokenizer(16, eos=-1)
     for ids in greedy_prompts(2):
         ar = generate(target, tok, ids, max_new_tokens=max_new)
         for overlap in (True, False):
@@ -190,7 +156,7 @@ def test_greedy_max_new_tokens_is_exact(greedy_pair, max_new):
 def test_greedy_eos_in_the_middle(greedy_pair):
     target, d = greedy_pair
     for ids in greedy_prompts():
-        out = generate(target, StubTokenizer(16), ids, max_new_tokens=30).token_ids
+        out = generate(target, StubTokenizer(16, eos=-1), ids, max_new_tokens=30).token_ids
         j = next(j for j in range(3, 30) if out[j] not in out[:j])      # a token first produced mid-output
         tok = StubTokenizer(16, eos=out[j])
         ar = generate(target, tok, ids, max_new_tokens=30)
@@ -202,7 +168,7 @@ def test_greedy_eos_in_the_middle(greedy_pair):
 
 def test_greedy_stop_string(greedy_pair):
     target, d = greedy_pair
-    tok = StubTokenizer(16)
+    tok = StubTokenizer(16, eos=-1)
     for ids in greedy_prompts(2):
         out = generate(target, tok, ids, max_new_tokens=30).token_ids
         stop = [tok.decode(out[6:8])]
@@ -218,7 +184,8 @@ def test_greedy_stop_string(greedy_pair):
 def test_trace_has_verify_and_draft_spans(greedy_pair, tmp_path):
     target, d = greedy_pair
     trace: list[dict] = []
-    res = generate_async(target, StubTokenizer(16), greedy_prompts(1)[0], max_new_tokens=20, drafter=d, trace=trace)
+    res = generate_async(target, StubTokenizer(16, eos=-1), greedy_prompts(1)[0], max_new_tokens=20, drafter=d,
+                         trace=trace)
     verify = [e for e in trace if e["name"] == "verify"]
     draft = [e for e in trace if e["name"] == "draft"]
     assert len(verify) == res.rounds and all(e["tid"] == 0 and e["ph"] == "X" and e["dur"] >= 0 for e in verify)
@@ -232,8 +199,6 @@ def test_trace_has_verify_and_draft_spans(greedy_pair, tmp_path):
 # --------------------------------------------------------------------------------------------
 # generate_async, sampling: the law of plain sampling
 
-V = 8
-EOS = 7
 PROMPT = [1, 2, 3]
 FIRST = 3           # compare the law of the first 3 generated tokens
 MAX_NEW = 6         # long enough that blocks from the packed pass produce some of those tokens

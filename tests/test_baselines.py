@@ -1,21 +1,23 @@
 """Baselines on equal terms: DFlash-style and small-AR drafters, and transformers' own generate."""
 import pytest
 import torch
-from sampling_law import chi2_pvalue, exact_law
-from test_drafter import TINY, TinyTokenizer, tiny_examples
-from test_lossless import EOS, MAX_NEW_TINY, PROMPT, TEMP, spec_draw, tiny_model
 
-from d3d.ardraft import ARDraftProposer
-from d3d.batches import TrainConfig
-from d3d.dflash import DFlashDrafter, DFlashProposer, default_target_layers
-from d3d.drafter import drafter_from_target
-from d3d.drafter_files import load_drafter, save_drafter
-from d3d.engine import generate
-from d3d.hf import HFRunner, load_hf_model
-from d3d.losses import evaluate
-from d3d.methods import BASELINE_SUFFIX, default_drafter
-from d3d.target import Transformer
-from d3d.train import train
+from d3d.methods.ar_draft import ARDraftProposer
+from d3d.training.batches import TrainConfig
+from d3d.drafters.dflash import DFlashDrafter
+from d3d.drafters.kinds import spread_layers
+from d3d.methods.dflash import DFlashProposer
+from d3d.drafters.convert import drafter_from_target
+from d3d.drafters.files import load_drafter, save_drafter
+from d3d.decoding.engine import generate
+from d3d.methods.hf import HFRunner
+from d3d.runtime.hf import load_hf_model
+from d3d.training.losses import evaluate
+from d3d.methods.catalog import BASELINE_SUFFIX, default_drafter
+from d3d.runtime.target import Transformer
+from d3d.training.train import train
+from helpers import EOS, TINY, tiny_examples, tiny_model, tiny_tokenizer
+from sampling_law import MAX_NEW_TINY, PROMPT, TEMP, chi2_pvalue, exact_law, spec_draw
 
 
 class RecordingDFlash(DFlashProposer):
@@ -32,7 +34,7 @@ class RecordingDFlash(DFlashProposer):
 
 def test_dflash_hidden_states_equal_a_separate_forward(smol, prompt_ids):
     model, tok, _ = smol
-    layers = default_target_layers(model.args.n_layers, 4)
+    layers = spread_layers(model.args.n_layers, 4)
     d = drafter_from_target(model, tok, "smol", [26, 27, 28, 29], 16, kind="dflash", target_layers=layers)
     proposer = RecordingDFlash(d.eval().requires_grad_(False), model.args.vocab_size)
     ids = prompt_ids[0]
@@ -48,7 +50,7 @@ def test_dflash_hidden_states_equal_a_separate_forward(smol, prompt_ids):
 
 @pytest.mark.parametrize("method", sorted(BASELINE_SUFFIX))
 def test_shipped_baseline_greedy_is_identical_to_ar(smol, prompt_ids, method):
-    from d3d.methods import make_runner
+    from d3d.methods.catalog import make_runner
 
     model, tok, model_dir = smol
     default_drafter(model_dir, BASELINE_SUFFIX[method])  # shipped
@@ -63,7 +65,7 @@ def test_shipped_baseline_greedy_is_identical_to_ar(smol, prompt_ids, method):
 
 
 def test_ar_draft_with_a_fixed_draft_length(smol, prompt_ids):
-    from d3d.methods import make_runner
+    from d3d.methods.catalog import make_runner
 
     model, tok, model_dir = smol
     run = make_runner("ar-draft", model, tok, model_dir, ar_draft_k=2)
@@ -88,13 +90,8 @@ def test_ar_draft_with_a_partial_copy_of_the_target(smol, prompt_ids):
 
 def tiny_dflash(target: Transformer, block_size: int = 4) -> DFlashDrafter:
     torch.manual_seed(3)
-    return drafter_from_target(target, TinyTokenizer(), "tiny", [0], block_size, kind="dflash",
+    return drafter_from_target(target, tiny_tokenizer(), "tiny", [0], block_size, kind="dflash",
                                target_layers=[0, 1]).eval().requires_grad_(False)
-
-
-class Tok8(TinyTokenizer):
-    def get_vocab(self):
-        return {f"t{i}": i for i in range(8)}
 
 
 @pytest.mark.parametrize("kind", ["dflash", "ar-draft"])
@@ -105,10 +102,10 @@ def test_baseline_sampling_has_the_law_of_plain_sampling(kind):
         target = tiny_model()
         torch.manual_seed(5)
         if kind == "dflash":
-            d = drafter_from_target(target, Tok8(), "tiny", [0], 4, kind="dflash", target_layers=[0, 1])
+            d = drafter_from_target(target, tiny_tokenizer(8), "tiny", [0], 4, kind="dflash", target_layers=[0, 1])
             make = DFlashProposer
         else:
-            d = drafter_from_target(tiny_model(noise=0.08), Tok8(), "tiny", [0, 1], 4, kind="ar")
+            d = drafter_from_target(tiny_model(noise=0.08), tiny_tokenizer(8), "tiny", [0, 1], 4, kind="ar")
             make = ARDraftProposer
         d = d.eval().requires_grad_(False)
         samples, rounds = spec_draw(target, TEMP, lambda seed: make(d, 8, max_len=64))
@@ -122,13 +119,13 @@ def test_baseline_sampling_has_the_law_of_plain_sampling(kind):
 def test_baseline_checkpoints_round_trip(tmp_path, kind):
     torch.manual_seed(0)
     target = Transformer(TINY)
-    d = drafter_from_target(target, TinyTokenizer(), "tiny", [1], 4, draft_ids=torch.tensor([1, 3, 5, 7, 9]),
+    d = drafter_from_target(target, tiny_tokenizer(), "tiny", [1], 4, draft_ids=torch.tensor([1, 3, 5, 7, 9]),
                             kind=kind, target_layers=[0, 1] if kind == "dflash" else None)
     with torch.no_grad():
         for p in d.parameters():
             p.add_(0.01 * torch.randn_like(p))
     save_drafter(d, tmp_path / "dr", dtype=torch.float32)
-    back = load_drafter(tmp_path / "dr", target, TinyTokenizer())
+    back = load_drafter(tmp_path / "dr", target, tiny_tokenizer())
     assert type(back) is type(d) and back.cfg == d.cfg
     for k, v in d.state_dict().items():
         if k not in ("tok_embeddings.weight", "output.weight"):  # those come from the target
@@ -138,7 +135,7 @@ def test_baseline_checkpoints_round_trip(tmp_path, kind):
 def test_dflash_training_loss_decreases(tmp_path):
     torch.manual_seed(0)
     target = Transformer(TINY).requires_grad_(False)
-    d = drafter_from_target(target, TinyTokenizer(), "tiny", [0, 1], 4, kind="dflash", target_layers=[0, 1])
+    d = drafter_from_target(target, tiny_tokenizer(), "tiny", [0, 1], 4, kind="dflash", target_layers=[0, 1])
     cfg = TrainConfig(steps=40, batch_size=8, lr=1e-2, warmup=5, blocks_per_seq=4, ar_weight=0.0,
                       checkpoint_every=100)
     ex = tiny_examples()
@@ -150,7 +147,7 @@ def test_dflash_training_loss_decreases(tmp_path):
 
 def test_ar_drafter_training_has_only_the_next_token_loss(tmp_path):
     torch.manual_seed(0)
-    d = drafter_from_target(Transformer(TINY), TinyTokenizer(), "tiny", [0, 1], 4, kind="ar")
+    d = drafter_from_target(Transformer(TINY), tiny_tokenizer(), "tiny", [0, 1], 4, kind="ar")
     cfg = TrainConfig(steps=40, batch_size=8, lr=1e-2, warmup=5, blocks_per_seq=0, ar_weight=1.0,
                       checkpoint_every=100)
     hist = train(d, tiny_examples(), cfg, tmp_path / "run", log=lambda *_: None)
@@ -172,12 +169,12 @@ def test_transformers_reference_equals_our_plain_decoding(smol, prompt_ids):
 def test_precomputed_target_features_give_the_same_dflash_loss():
     import random
 
-    from d3d.batches import make_batch, target_features, vocab_map_for
-    from d3d.losses import losses
+    from d3d.training.batches import make_batch, target_features, vocab_map_for
+    from d3d.training.losses import losses
 
     torch.manual_seed(0)
     target = Transformer(TINY).requires_grad_(False)
-    d = drafter_from_target(target, TinyTokenizer(), "tiny", [0], 4, kind="dflash", target_layers=[0, 1])
+    d = drafter_from_target(target, tiny_tokenizer(), "tiny", [0], 4, kind="dflash", target_layers=[0, 1])
     cfg = TrainConfig(blocks_per_seq=3, ar_weight=0.0)
     ex = tiny_examples(4)
     ex[1].response_ids[:] = ex[1].response_ids[:20]  # rows of different lengths: padding
@@ -190,7 +187,7 @@ def test_precomputed_target_features_give_the_same_dflash_loss():
 
 def test_a_drafter_of_another_kind_is_a_clear_error(smol):
     from d3d.errors import D3DError
-    from d3d.methods import make_runner
+    from d3d.methods.catalog import make_runner
 
     model, tok, model_dir = smol
     with pytest.raises(D3DError, match="kind 'ar'"):

@@ -13,16 +13,18 @@ from types import SimpleNamespace
 
 import pytest
 
-from d3d.async_engine import AsyncGenerationResult
-from d3d.bench import _prompt_row, _summary, run_bench, tau_histogram
+from d3d.decoding.async_engine import AsyncGenerationResult
+from d3d.bench.harness import _prompt_row, _summary, run_bench, tau_histogram
 from d3d.cli import main
-from d3d.code_prompts import code_mix
-from d3d.engine import GenerationResult
+from d3d.corpus.code_prompts import code_mix
+from d3d.decoding.engine import GenerationResult
 from d3d.errors import D3DError
-from d3d.prompts import (BENCHMARKS, SHAREGPT_HELDOUT_POOL, MultiTurn, benchmark_prompt_hashes, benchmark_prompts,
-                         chat_mix, prompt_hash, sharegpt_heldout, train_prompts, training_mix)
-from d3d.report import markdown_table, write_report
-from d3d.verify import SamplingParams
+from d3d.corpus.prompts import (BENCHMARKS, MultiTurn, SHAREGPT_HELDOUT_POOL, benchmark_prompt_hashes,
+                                benchmark_prompts, chat_mix, prompt_hash, sharegpt_heldout, train_prompts,
+                                training_mix)
+from d3d.bench.report import markdown_table, write_report
+from d3d.decoding.verify import SamplingParams
+from helpers import ChatTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = {"gsm8k": 1319, "math500": 500, "humaneval": 164, "mt-bench": 80, "sharegpt": 309}  # as in README
@@ -122,7 +124,7 @@ def test_sharegpt_heldout_is_disjoint_from_training():
     assert not set(hashes) & {prompt_hash(p) for _, _, p in mix}
     # and none is in the distillation data actually generated
     if (ROOT / "data" / "distill" / "manifest.json").exists():
-        from d3d.data import load_dataset
+        from d3d.corpus.data import load_dataset
 
         assert not set(hashes) & {e.hash for e in load_dataset(ROOT / "data" / "distill")}
 
@@ -171,21 +173,8 @@ def test_async_stats_pass_through():
     assert "packed_hits" not in _summary("x", "ar", [_res([1], [], 0.1)], [_res([1], [], 0.1)], True)
 
 
-class FakeTokenizer:
-    """Each distinct chat gets one token id; the chats are kept so fake runners can see their prompt."""
-    chat_template = "fake"
-
-    def __init__(self):
-        self.chats: list[list[dict]] = []
-
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
-        assert add_generation_prompt and tokenize
-        self.chats.append([dict(m) for m in messages])
-        return [len(self.chats) - 1]
-
-
 def test_multi_turn_items(tmp_path):
-    tok = FakeTokenizer()
+    tok = ChatTokenizer()
     model = SimpleNamespace(args=SimpleNamespace(max_seq_len=4096))
     calls = []
 
@@ -226,7 +215,7 @@ def test_multi_turn_items(tmp_path):
 
 
 def test_an_interrupted_bench_resumes_from_its_journal(tmp_path):
-    tok = FakeTokenizer()
+    tok = ChatTokenizer()
     model = SimpleNamespace(args=SimpleNamespace(max_seq_len=4096))
     calls, fail_at = [], [None]
 
@@ -368,7 +357,7 @@ def test_quick_bench_end_to_end(tmp_path):
 
 def test_bench_runs_each_method_once_per_named_drafter(tmp_path):
     """--drafters NAME=PATH: d3d runs once per drafter (rows d3d@NAME) beside the methods without one."""
-    from d3d.methods import DEFAULT_DRAFTERS
+    from d3d.methods.catalog import DEFAULT_DRAFTERS
 
     shipped = str(DEFAULT_DRAFTERS / "SmolLM2-135M-Instruct")
     prompts = tmp_path / "p.jsonl"
@@ -387,8 +376,8 @@ def test_bench_runs_each_method_once_per_named_drafter(tmp_path):
 def test_bench_runs_each_retrieving_method_once_per_named_datastore(tmp_path):
     """--datastores NAME=PATH: lookup-tree and d3d-tree run once per datastore (rows METHOD@NAME, and
     METHOD@DRAFTER@DATASTORE with --drafters), each with its own; ngram and d3d run once."""
-    from d3d.datastore import SHIPPED
-    from d3d.methods import DEFAULT_DRAFTERS
+    from d3d.corpus.datastore import SHIPPED
+    from d3d.methods.catalog import DEFAULT_DRAFTERS
 
     shipped = str(DEFAULT_DRAFTERS / "SmolLM2-135M-Instruct")
     store = str(SHIPPED / "SmolLM2-135M-Instruct.npz")

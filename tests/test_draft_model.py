@@ -1,6 +1,6 @@
 """draft-model: classic speculative decoding with a whole pretrained model of the target's tokenizer.
 
-The tiny target and a noisy copy of it (sampling_law.tiny_model) make a draft model that agrees with the
+The tiny target and a noisy copy of it (helpers.tiny_model) make a draft model that agrees with the
 target only part of the time, so that both accepted and rejected drafts occur; the real default target
 drafting for itself checks the method end to end (loading, the CLI's errors, int8)."""
 from __future__ import annotations
@@ -9,17 +9,17 @@ import json
 
 import pytest
 import torch
-from sampling_law import EOS, V, StubTokenizer, chi2_pvalue, exact_law, tiny_model
-from test_lossless import MAX_NEW_TINY, NOISE, PROMPT, TEMP, spec_draw
+from helpers import EOS, V, StubTokenizer, tiny_model
+from sampling_law import MAX_NEW_TINY, NOISE, PROMPT, TEMP, chi2_pvalue, exact_law, spec_draw
 
 from d3d.cli import main
-from d3d.draftmodel import DraftModel, DraftModelProposer
-from d3d.engine import generate
+from d3d.methods.draftmodel import DraftModel, DraftModelProposer
+from d3d.decoding.engine import generate
 from d3d.errors import D3DError
-from d3d.loading import load_tokenizer
-from d3d.methods import make_runner
-from d3d.registry import REGISTRY
-from d3d.verify import SamplingParams
+from d3d.runtime.loading import load_tokenizer
+from d3d.methods.catalog import make_runner
+from d3d.methods.registry import REGISTRY
+from d3d.decoding.verify import SamplingParams
 
 PROMPTS = [[1, 2, 3], [4, 0, 6, 5], [2, 2, 5, 1, 3]]
 
@@ -145,7 +145,7 @@ def test_another_vocabulary_is_a_one_line_error(smol, tmp_path):
 
 
 def test_a_known_target_drafts_with_its_sibling_by_default(tmp_path):
-    from d3d.methods import drafter_path
+    from d3d.methods.catalog import drafter_path
 
     method = REGISTRY["draft-model"]
     method.check_drafter(None, "Qwen2.5-Coder-1.5B-Instruct")
@@ -156,7 +156,7 @@ def test_a_known_target_drafts_with_its_sibling_by_default(tmp_path):
 
 
 def test_demo_and_serve_pick_a_known_targets_own_best_method(tmp_path):
-    from d3d.methods import BEST_METHOD, BEST_METHODS, best_method
+    from d3d.methods.catalog import BEST_METHOD, BEST_METHODS, best_method
 
     assert best_method(None) == best_method("SmolLM2-135M-Instruct") == BEST_METHOD
     assert best_method(tmp_path / "Qwen2.5-Coder-1.5B-Instruct") == BEST_METHODS["Qwen2.5-Coder-1.5B-Instruct"]

@@ -9,50 +9,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from d3d import train as train_mod
-from d3d.batches import TrainConfig, block_layout, make_batch, vocab_map_for
-from d3d.data import Example, load_dataset
-from d3d.drafter import Drafter, drafter_from_target, tokenizer_fingerprint
-from d3d.drafter_files import load_drafter, save_drafter
-from d3d.engine import generate
+from d3d.training import train as train_mod
+from d3d.training.batches import TrainConfig, block_layout, make_batch, vocab_map_for
+from d3d.corpus.data import load_dataset
+from d3d.drafters.convert import drafter_from_target
+from d3d.drafters.drafter import tokenizer_fingerprint
+from d3d.drafters.files import load_drafter, save_drafter
+from d3d.decoding.engine import generate
 from d3d.errors import D3DError
-from d3d.losses import teacher_log_probs
-from d3d.methods import DEFAULT_DRAFTERS
-from d3d.prompts import benchmark_prompt_hashes
-from d3d.proposer import D3DProposer
-from d3d.target import ModelArgs, Transformer
-from d3d.train import dropped_layers, train
+from d3d.training.losses import teacher_log_probs
+from d3d.methods.catalog import DEFAULT_DRAFTERS
+from d3d.corpus.prompts import benchmark_prompt_hashes
+from d3d.methods.d3d import D3DProposer
+from d3d.runtime.target import Transformer
+from d3d.training.train import dropped_layers, train
+from helpers import TINY, tiny_examples, tiny_tokenizer, trainable_drafter
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ModelArgs(vocab_size=32, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, intermediate_size=64,
-                 norm_eps=1e-5, rope_theta=10000.0, max_seq_len=256)
-
-
-class TinyTokenizer:
-    eos_token_id = 1
-
-    def get_vocab(self):
-        return {f"t{i}": i for i in range(TINY.vocab_size)}
-
-    def decode(self, ids):
-        return " ".join(f"t{i}" for i in ids)
-
-
-def tiny_drafter(seed: int = 0, block_size: int = 4) -> Drafter:
-    torch.manual_seed(seed)
-    target = Transformer(TINY)
-    return drafter_from_target(target, TinyTokenizer(), "tiny", [0, 1], block_size)
-
-
-def tiny_examples(n: int = 64, seed: int = 0) -> list[Example]:
-    """Sequences with an easy rule (t, t+1, t+2, ... mod V, restarting at random), so a drafter can learn."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        start = rng.randrange(2, TINY.vocab_size)
-        seq = [(start + i) % (TINY.vocab_size - 2) + 2 for i in range(40)]
-        out.append(Example(prompt_ids=seq[:6], response_ids=seq[6:], source="tiny", hash=""))
-    return out
 
 
 def test_block_layout_who_attends_to_whom():
@@ -79,7 +52,7 @@ def test_padding_is_invisible():
 
 
 def test_loss_decreases_on_tiny_model(tmp_path):
-    d = tiny_drafter()
+    d = trainable_drafter()
     ex = tiny_examples()
     cfg = TrainConfig(steps=60, batch_size=8, lr=1e-2, warmup=5, blocks_per_seq=4, checkpoint_every=100)
     hist = train(d, ex, cfg, tmp_path / "run", log=lambda *_: None)
@@ -91,7 +64,7 @@ def test_loss_decreases_on_tiny_model(tmp_path):
 def test_training_resumes_exactly_after_a_kill(tmp_path, monkeypatch):
     ex = tiny_examples()
     cfg = TrainConfig(steps=6, batch_size=4, lr=1e-3, warmup=2, blocks_per_seq=3, checkpoint_every=2)
-    straight = tiny_drafter()
+    straight = trainable_drafter()
     train(straight, ex, cfg, tmp_path / "a", log=lambda *_: None)
 
     calls = {"n": 0}
@@ -105,9 +78,9 @@ def test_training_resumes_exactly_after_a_kill(tmp_path, monkeypatch):
 
     monkeypatch.setattr(train_mod, "atomic_write_json", dies_after_step_4)
     with pytest.raises(KeyboardInterrupt):
-        train(tiny_drafter(), ex, cfg, tmp_path / "b", log=lambda *_: None)
+        train(trainable_drafter(), ex, cfg, tmp_path / "b", log=lambda *_: None)
     monkeypatch.setattr(train_mod, "atomic_write_json", real)
-    resumed = tiny_drafter()
+    resumed = trainable_drafter()
     hist = train(resumed, ex, cfg, tmp_path / "b", log=lambda *_: None)
     assert len(hist) == 6
     for (k, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
@@ -129,7 +102,7 @@ def test_layer_drop_draws_are_reproducible_never_empty_the_stack_and_hit_the_rat
 def test_layer_drop_training_leaves_the_skipped_layers_untouched_that_step(tmp_path):
     seed = next(s for s in range(100) if dropped_layers(2, 0.5, 0, s) == {1})
     cfg = TrainConfig(steps=1, batch_size=4, lr=1e-2, warmup=0, blocks_per_seq=3, layer_drop=0.5, seed=seed)
-    d = tiny_drafter()
+    d = trainable_drafter()
     before = {k: v.clone() for k, v in d.state_dict().items()}
     hist = train(d, tiny_examples(), cfg, tmp_path / "run", log=lambda *_: None)
     assert hist[0]["dropped"] == [1]
@@ -142,12 +115,12 @@ def test_layer_drop_training_leaves_the_skipped_layers_untouched_that_step(tmp_p
 def test_checkpoint_round_trip(tmp_path):
     torch.manual_seed(0)
     target = Transformer(TINY)
-    d = drafter_from_target(target, TinyTokenizer(), "tiny", [1], 4, draft_ids=torch.tensor([1, 3, 5, 7, 9]))
+    d = drafter_from_target(target, tiny_tokenizer(), "tiny", [1], 4, draft_ids=torch.tensor([1, 3, 5, 7, 9]))
     with torch.no_grad():
         for p in d.layers.parameters():
             p.add_(0.01 * torch.randn_like(p))
     save_drafter(d, tmp_path / "dr", dtype=torch.float32)
-    back = load_drafter(tmp_path / "dr", target, TinyTokenizer())
+    back = load_drafter(tmp_path / "dr", target, tiny_tokenizer())
     assert back.cfg == d.cfg
     for (k, a), b in zip(d.state_dict().items(), back.state_dict().values()):
         assert torch.equal(a, b), k
@@ -164,7 +137,7 @@ def test_checkpoint_round_trip(tmp_path):
 
 
 def test_train_can_fine_tune_a_shipped_drafter(tmp_path, smol):
-    from d3d.train import train_drafter
+    from d3d.training.train import train_drafter
 
     shipped, data = DEFAULT_DRAFTERS / "SmolLM2-135M-Instruct", Path(__file__).resolve().parents[1] / "data" / "distill"
     cfg = TrainConfig(steps=1, batch_size=1, lr=1e-4, warmup=0)
@@ -188,7 +161,7 @@ def test_train_can_fine_tune_a_shipped_drafter(tmp_path, smol):
 
 
 def test_draft_after_incremental_updates_equals_from_scratch():
-    d = tiny_drafter().eval().requires_grad_(False)
+    d = trainable_drafter().eval().requires_grad_(False)
     seq = [random.Random(1).randrange(TINY.vocab_size) for _ in range(60)]
     d.setup_cache(1, 256)
     d.draft_block(seq[:10])
@@ -207,7 +180,7 @@ def test_drafting_fewer_slots_is_the_block_of_that_size():
     and leaves the cache holding the verified text only, as the whole block does."""
     import copy
 
-    d = tiny_drafter(block_size=8).eval().requires_grad_(False)
+    d = trainable_drafter(block_size=8).eval().requires_grad_(False)
     seq = [random.Random(2).randrange(TINY.vocab_size) for _ in range(30)]
     d.setup_cache(1, 256)
     whole = d.draft_block(seq[:20])
@@ -225,7 +198,7 @@ def test_drafting_fewer_slots_is_the_block_of_that_size():
 
 def test_mismatched_target_is_a_clear_error(tmp_path, smol):
     model, tok, _ = smol
-    save_drafter(tiny_drafter(), tmp_path / "tiny")
+    save_drafter(trainable_drafter(), tmp_path / "tiny")
     with pytest.raises(D3DError, match="trained for target 'tiny'"):
         load_drafter(tmp_path / "tiny", model, tok)
     r = subprocess.run([sys.executable, "-m", "d3d.cli", "generate", "hello", "--method", "d3d", "--drafter",
@@ -262,7 +235,7 @@ def test_no_benchmark_test_prompt_in_training_data():
 
 
 def test_make_batch_targets_follow_the_layout():
-    d = tiny_drafter()
+    d = trainable_drafter()
     ex = tiny_examples(2)
     cfg = TrainConfig(blocks_per_seq=2)
     b = make_batch(ex, cfg, d.block_size, vocab_map_for(d), d.mask_id, random.Random(0))
@@ -282,7 +255,7 @@ def test_distillation_reads_the_targets_law_at_the_position_before_each_target()
     log-probabilities there equal the target's own forward, renormalised over the draft vocabulary."""
     torch.manual_seed(0)
     teacher = Transformer(TINY).eval()
-    d = drafter_from_target(teacher, TinyTokenizer(), "tiny", [0, 1], 4, torch.arange(2, TINY.vocab_size))
+    d = drafter_from_target(teacher, tiny_tokenizer(), "tiny", [0, 1], 4, torch.arange(2, TINY.vocab_size))
     ex = tiny_examples(3)
     b = make_batch(ex, TrainConfig(blocks_per_seq=3), d.block_size, vocab_map_for(d), d.mask_id, random.Random(0))
     L = int(b.ctx_len)
@@ -299,7 +272,7 @@ def test_distillation_reads_the_targets_law_at_the_position_before_each_target()
 def test_distillation_pulls_the_drafter_toward_the_teachers_law(tmp_path):
     torch.manual_seed(1)
     teacher = Transformer(TINY).eval().requires_grad_(False)
-    d = tiny_drafter()
+    d = trainable_drafter()
     ex = tiny_examples()
     cfg = TrainConfig(steps=40, batch_size=8, lr=1e-2, warmup=5, blocks_per_seq=4, checkpoint_every=100, distill=1.0)
     b = make_batch(ex[:8], cfg, d.block_size, vocab_map_for(d), d.mask_id, random.Random(5))
@@ -317,7 +290,7 @@ def test_distillation_pulls_the_drafter_toward_the_teachers_law(tmp_path):
 
 
 def test_replayed_acceptance_matches_a_real_run(smol, prompt_ids):
-    from d3d.estimate import replay_acceptance
+    from d3d.training.estimate import replay_acceptance
 
     model, tok, model_dir = smol
     d = load_drafter(DEFAULT_DRAFTERS / model_dir.name, model, tok)
@@ -331,7 +304,7 @@ def test_replayed_acceptance_matches_a_real_run(smol, prompt_ids):
 
 
 def test_d3d_async_greedy_is_identical_to_ar_on_real_prompts(smol, prompt_ids):
-    from d3d.async_engine import generate_async
+    from d3d.decoding.async_engine import generate_async
 
     model, tok, model_dir = smol
     d = load_drafter(DEFAULT_DRAFTERS / model_dir.name, model, tok)

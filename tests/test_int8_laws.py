@@ -1,12 +1,12 @@
 """Sampling stays lossless in int8: `--quantize int8` (the target and its drafter in int8) and
 `--quantize-drafter int8` (the drafter alone; the target stays fp32), for every built-in method each option
-applies to, on the tiny target of sampling_law with test_lossless's per-method harness (method_runner).
+applies to, on the law tests' tiny target with sampling_law's per-method harness (method_runner).
 
 int8 changes the target's law, so under --quantize int8 the reference is the exact law of the same int8
 target (and plain `ar` sampling of that runtime is checked against it first); under --quantize-drafter
-int8 it is the fp32 target's. The target is quantized as d3d.loading.load_target does (apply_quantize),
-learned drafters are saved and loaded through the registry's Setup.drafter (d3d.drafter_files.load_drafter,
-which quantizes them as the option says), and draft-model's model through d3d.draftmodel.load_draft_model.
+int8 it is the fp32 target's. The target is quantized as d3d.runtime.loading.load_target does (apply_quantize),
+learned drafters are saved and loaded through the registry's Setup.drafter (d3d.drafters.files.load_drafter,
+which quantizes them as the option says), and draft-model's model through d3d.methods.draftmodel.load_draft_model.
 What these draws cannot resolve: on this tiny target the int8 law is within 0.7-1% (total variation) of the
 fp32 one, so a method verifying against the fp32 target would pass here too; that it is the int8 target's
 output exactly is test_quantize.py's greedy identity with int8 `ar` on real prompts.
@@ -16,13 +16,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-import d3d.draftmodel
-from d3d.draftmodel import DraftModel, load_draft_model
-from d3d.drafter_files import save_drafter
-from d3d.quantize import Int8Linear, apply_quantize
-from d3d.registry import BUILTIN, Setup, get
-from sampling_law import EOS, StubTokenizer, chi2_pvalue, draw, exact_law, tiny_model
-from test_lossless import FIRST, N_ALL, PARAMS_ID, PROMPT_ALL, TEMP, TRUNCATED, method_drafter, method_runner
+import d3d.methods.catalog  # noqa: F401  (imports, so registers, every built-in method)
+import d3d.methods.draftmodel
+from d3d.methods.draftmodel import DraftModel, load_draft_model
+from d3d.drafters.files import save_drafter
+from d3d.runtime.quantize import Int8Linear, apply_quantize
+from d3d.methods.registry import BUILTIN, Setup, get
+from helpers import EOS, StubTokenizer, tiny_model
+from sampling_law import (FIRST, N_ALL, PARAMS_ID, PROMPT_ALL, TEMP, TRUNCATED, chi2_pvalue, draw, exact_law,
+                          method_drafter, method_runner)
 
 REFERENCES = {"hf", "hf-lookup", "llama-cpp", "llama-cpp-q8"}  # their own runtimes: --quantize never reaches them
 # --quantize int8 reaches every other built-in method, --quantize-drafter int8 every one that loads a drafter: a
@@ -57,9 +59,9 @@ def loaded(tmp_path_factory):
                 drafter = None
             elif kind == "model":  # its whole model: method_drafter's noisy copy, as if loaded from a folder
                 with pytest.MonkeyPatch.context() as mp:
-                    mp.setattr(d3d.draftmodel, "resolve_target", lambda name: name)
-                    mp.setattr(d3d.draftmodel, "check_same_vocabulary", lambda *a: None)
-                    mp.setattr(d3d.draftmodel, "load_runtime", lambda *a: method_drafter("draft-model").model)
+                    mp.setattr(d3d.methods.draftmodel, "resolve_target", lambda name: name)
+                    mp.setattr(d3d.methods.draftmodel, "check_same_vocabulary", lambda *a: None)
+                    mp.setattr(d3d.methods.draftmodel, "load_runtime", lambda *a: method_drafter("draft-model").model)
                     drafter = DraftModel(load_draft_model(setup))
             else:
                 drafter = setup.drafter(kind, method)

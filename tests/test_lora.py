@@ -1,4 +1,4 @@
-"""LoRA conversion (d3d.lora): adapters over a whole pretrained model, checkpoints that store only the
+"""LoRA conversion (d3d.drafters.lora): adapters over a whole pretrained model, checkpoints that store only the
 factors, loading that merges them into the base model's weights."""
 import json
 import subprocess
@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 
-from d3d.batches import TrainConfig, draft_vocabulary
-from d3d.data import load_dataset
-from d3d.drafter_files import load_drafter, save_drafter, weight_files
-from d3d.lora import LoRALinear
-from d3d.train import init_model_drafter, train_drafter, trainable_parameters
+from d3d.training.batches import TrainConfig, draft_vocabulary
+from d3d.corpus.data import load_dataset
+from d3d.drafters.files import load_drafter, save_drafter, weight_files
+from d3d.drafters.lora import LoRALinear
+from d3d.training.train import init_model_drafter, train_drafter, trainable_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
 

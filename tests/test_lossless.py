@@ -8,22 +8,24 @@ the same test rejects a deliberately broken acceptance rule.
 """
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 
-import d3d.engine
-from d3d.engine import generate
-from d3d.methods import make_runner
-from d3d.verify import SamplingParams, greedy_tokens, leading_matches, probs_from_logits, sample, verify
-from sampling_law import EOS, V, StubTokenizer, chi2_pvalue, draw, exact_law, tiny_model
+import d3d.decoding.engine
+from d3d.decoding.engine import generate
+from d3d.decoding.proposer import Proposer
+from d3d.methods.catalog import make_runner
+from d3d.decoding.verify import SamplingParams, greedy_tokens, leading_matches, probs_from_logits, sample, verify
+from helpers import EOS, V, StubTokenizer, tiny_drafter, tiny_model
+from sampling_law import (ASYNC_OPTIONS, BLOCK_TINY, FIRST, MAX_NEW_TINY, N_ALL, NOISE, PARAMS_ID, PROMPT, PROMPT_ALL,
+                          TEMP, TOP_K, TOP_P, TRUNCATED, chi2_pvalue, draw, exact_law, method_drafter, method_runner,
+                          spec_draw)
 
 GREEDY = SamplingParams()
 MAX_NEW = 64
 
 
-class Oracle:
+class Oracle(Proposer):
     """Proposes the known continuation `reference` (prompt + output ids), each draft token replaced by a
     random one with probability `noise`. Checks that the engine shows it exactly the verified text."""
 
@@ -44,7 +46,7 @@ class Oracle:
         return draft, None
 
 
-class Garbage:
+class Garbage(Proposer):
     """Proposes k uniformly random tokens."""
 
     name = "garbage"
@@ -105,8 +107,8 @@ def test_ngram_greedy_equals_plain_decoding(smol, cases):
 def test_ngram_cuts_drafts_to_what_pays():
     """With verification twice as dear at 16 tokens as at 1, a copy that is rarely right is cut to nothing
     and one that is nearly always right is kept whole; the estimate follows what the text did next."""
-    from d3d.ngram import NgramProposer
-    from d3d.treecost import WidthCost
+    from d3d.methods.ngram import NgramProposer
+    from d3d.decoding.treecost import WidthCost
 
     text = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 5, 6]  # "5 6" matched: copy 7 8 9 ...
     ngram = NgramProposer(cost=WidthCost({1: 1.0, 2: 1.05, 4: 1.2, 8: 1.5, 16: 2.0}))
@@ -168,17 +170,10 @@ def test_eos_inside_an_accepted_block(smol, short_answer_ids):
 # --------------------------------------------------------------------------------------------
 # Sampling on a tiny random model
 
-PROMPT = [1, 2, 3]
-N_SAMPLES = 1500
-MAX_NEW_TINY = 4  # with BLOCK_TINY = 4 the first round drafts 2 tokens after the prefill's token
-BLOCK_TINY = 4
-NOISE = 0.08  # the one-hot drafter's output-layer noise: it agrees with the target about half the time
-TEMP = SamplingParams(temperature=0.8)
-TRUNCATED = SamplingParams(temperature=0.8, top_k=5, top_p=0.9)
 Q = torch.softmax(1.5 * torch.randn(V, generator=torch.Generator().manual_seed(1)), -1)  # a wrong draft law
 
 
-class SampledProposer:
+class SampledProposer(Proposer):
     """Drafts i.i.d. from the fixed distribution Q, which ignores the context, and says so (q = Q)."""
 
     name = "sampled"
@@ -193,7 +188,7 @@ class SampledProposer:
         return torch.multinomial(Q, k, replacement=True, generator=self.g).tolist(), Q.expand(k, V)
 
 
-class GreedyDrafter:
+class GreedyDrafter(Proposer):
     """A deterministic drafter that gives no q (one-hot): the greedy tokens of `model` (memoized)."""
 
     name = "greedy"
@@ -222,16 +217,6 @@ def proposers(tiny):
     noisy copy of the target and q = None."""
     drafter = GreedyDrafter(tiny_model(noise=NOISE))
     return {"sampled_q": SampledProposer, "one_hot": lambda seed: drafter}
-
-
-def spec_draw(model, params: SamplingParams, proposer=None) -> tuple[list[tuple[int, ...]], Counter]:
-    """N_SAMPLES outputs of synchronous speculative sampling (plain sampling without a proposer); sample i
-    uses seed i and a proposer made with seed 10**6 + i."""
-    def run(p):
-        prop = None if proposer is None else proposer(10**6 + p.seed)
-        return generate(model, StubTokenizer(), PROMPT, p, MAX_NEW_TINY, block_size=BLOCK_TINY, proposer=prop)
-
-    return draw(run, params, N_SAMPLES)
 
 
 def accept_every_draft(draft, target_logits, params, generator, draft_probs=None):
@@ -270,7 +255,7 @@ def test_speculative_sampling_is_lossless(tiny, proposers, params, kind):
 @pytest.mark.parametrize("broken", [accept_every_draft, resample_from_p_on_rejection])
 @pytest.mark.parametrize("kind", ["sampled_q", "one_hot"])
 def test_the_statistic_catches_a_broken_rule(tiny, proposers, monkeypatch, broken, kind):
-    monkeypatch.setattr(d3d.engine, "verify", broken)
+    monkeypatch.setattr(d3d.decoding.engine, "verify", broken)
     samples, _ = spec_draw(tiny, TEMP, proposers[kind])
     assert chi2_pvalue(samples, exact_law(tiny, PROMPT, TEMP, MAX_NEW_TINY, EOS)) < 1e-6
 
@@ -279,87 +264,9 @@ def test_the_statistic_catches_a_broken_rule(tiny, proposers, monkeypatch, broke
 # Every speculative method, on the tiny target with an untrained D3D drafter copied from it
 # (d3d-tree with top-k + top-p, and a broken tree rule, are in test_tree.py)
 
-PROMPT_ALL = [1, 2, 3, 1, 2]  # a repeat, so that n-gram lookup finds matches
-FIRST = 4                     # the law of the first 4 tokens ...
-MAX_NEW_ALL = 6               # ... of generations long enough for several rounds (packed blocks, trees)
-N_ALL = 1200
-ASYNC_OPTIONS = {"d3d-async": {}, "d3d-async max_candidates=2": {"max_candidates": 2},
-                 "d3d-async successor_slots=2": {"successor_slots": 2}, "d3d-async head_all": {"head_all": True}}
-TOP_K = SamplingParams(temperature=0.8, top_k=3)  # top-k alone, and top-p alone: each cut on its own
-TOP_P = SamplingParams(temperature=0.8, top_p=0.8)
-PARAMS_ID = {id(TEMP): "temperature", id(TRUNCATED): "top_k+top_p", id(TOP_K): "top_k", id(TOP_P): "top_p"}
 CASES = [("ngram", TRUNCATED), ("d3d", TEMP), ("d3d", TRUNCATED), ("d3d-tree", TEMP), ("lookup-tree", TRUNCATED)] + \
     [(name, TRUNCATED) for name in ASYNC_OPTIONS] + \
     [("ar-draft", TOP_K), ("ar-draft", TOP_P), ("dflash", TOP_K), ("dflash", TOP_P)]
-
-
-def method_drafter(method: str):
-    """The tiny fp32 drafter `method` drafts with in this harness (None for ngram and lookup-tree): for the
-    D3D methods an untrained D3D drafter copied from a noisy copy of the target (sampling_law.tiny_drafter),
-    for ar-draft a causal drafter of that noisy copy's layers, for dflash a DFlash drafter of the target's first
-    layer reading both its layers (its fusion layer random), for draft-model the noisy copy itself."""
-    from d3d.draftmodel import DraftModel
-    from d3d.drafter import drafter_from_target
-    from sampling_law import tiny_drafter
-
-    if method in ("ngram", "lookup-tree"):
-        return None
-    if method == "draft-model":
-        return DraftModel(tiny_model(noise=NOISE))
-    if method == "ar-draft":
-        d = drafter_from_target(tiny_model(noise=NOISE), StubTokenizer(), "tiny", [0, 1], BLOCK_TINY, kind="ar")
-    elif method == "dflash":
-        with torch.random.fork_rng():
-            torch.manual_seed(5)
-            d = drafter_from_target(tiny_model(), StubTokenizer(), "tiny", [0], BLOCK_TINY, kind="dflash",
-                                    target_layers=[0, 1])
-    else:
-        return tiny_drafter(tiny_model(noise=NOISE), BLOCK_TINY)
-    return d.eval().requires_grad_(False)
-
-
-def method_runner(method: str, target, drafter):
-    """params -> result of `method` on PROMPT_ALL (d3d-async without overlap: the same computation);
-    `drafter` is the method's drafter (method_drafter's kind; a DraftModel for draft-model)."""
-    from d3d.ardraft import ARDraftProposer
-    from d3d.async_engine import generate_async
-    from d3d.dflash import DFlashProposer
-    from d3d.draftmodel import DraftModelProposer
-    from d3d.ngram import NgramProposer
-    from d3d.proposer import D3DProposer
-    from d3d.tree import TreeProposer, generate_tree
-    from d3d.treecost import WidthCost
-    from sampling_law import tiny_datastore
-
-    tok = StubTokenizer()
-    if method == "ar":
-        return lambda p: generate(target, tok, PROMPT_ALL, p, MAX_NEW_ALL)
-    if method in ASYNC_OPTIONS:
-        return lambda p: generate_async(target, tok, PROMPT_ALL, p, MAX_NEW_ALL, drafter=drafter, overlap=False,
-                                        **ASYNC_OPTIONS[method])
-    if method == "d3d-tree":  # with a cost model: trees cut by width and the drafter skipped when it does not pay
-        cost = WidthCost({1: 1.0, 2: 1.2, 8: 1.6}, overhead=0.9)  # skips the drafter in about half the rounds
-        tree = TreeProposer(D3DProposer(drafter, V, max_len=64), budget=8, cost=cost)
-        return lambda p: generate_tree(target, tok, PROMPT_ALL, p, MAX_NEW_ALL, proposer=tree, max_depth=3)
-    if method == "suffix":  # arctic-inference's suffix trees over the prompt and the earlier samples' outputs
-        from d3d.suffix import SuffixProposer, SuffixRunner, suffix_cache
-
-        run = SuffixRunner(target, tok, SuffixProposer(suffix_cache(), budget=8))
-        return lambda p: run(PROMPT_ALL, params=p, max_new_tokens=MAX_NEW_ALL)
-    if method == "lookup-tree":  # n-gram matches and continuations retrieved from the target's own samples
-        tree = TreeProposer(None, budget=8, cost=WidthCost({1: 1.0, 2: 1.2, 8: 1.6}),
-                            datastore=tiny_datastore(target, PROMPT_ALL))
-        return lambda p: generate_tree(target, tok, PROMPT_ALL, p, MAX_NEW_ALL, proposer=tree, max_depth=3)
-    if method == "ngram":  # with a cost model: drafts cut by their estimated chance against the width's cost
-        proposer = NgramProposer(cost=WidthCost({1: 1.0, 2: 1.1, 8: 1.6}))
-    elif method in ("ar-draft", "draft-model", "dflash"):
-        make = {"ar-draft": ARDraftProposer, "draft-model": DraftModelProposer, "dflash": DFlashProposer}[method]
-        proposer = make(drafter, V, max_len=64)
-    elif method == "d3d":
-        proposer = D3DProposer(drafter, V, max_len=64)
-    else:
-        raise ValueError(f"method_runner has no harness for method {method!r}")
-    return lambda p: generate(target, tok, PROMPT_ALL, p, MAX_NEW_ALL, proposer=proposer, block_size=BLOCK_TINY)
 
 
 @pytest.mark.parametrize("method,params", CASES, ids=[f"{m}-{PARAMS_ID[id(p)]}" for m, p in CASES])
@@ -378,8 +285,6 @@ def test_the_drafter_reads_the_prompt_in_the_prefill_phase(tiny, monkeypatch, me
     is, not of the decoding rounds that tokens/s measures; d3d-async's worker runs it beside the target's
     prefill, and the synchronous methods now count it the same way."""
     import time
-
-    from sampling_law import tiny_drafter
 
     drafter = tiny_drafter(tiny_model(noise=NOISE), BLOCK_TINY)
     read, extend = [], drafter.extend
@@ -402,7 +307,7 @@ REDUCED_CASES = [("d3d", TEMP), ("d3d-tree", TRUNCATED), ("d3d-async", TRUNCATED
 
 
 def reduced_vocab_drafter():
-    from d3d.drafter import drafter_from_target
+    from d3d.drafters.convert import drafter_from_target
 
     return drafter_from_target(tiny_model(noise=NOISE), StubTokenizer(), "tiny", [0, 1], BLOCK_TINY,
                                draft_ids=REDUCED_VOCAB).eval().requires_grad_(False)
@@ -420,11 +325,10 @@ def test_a_reduced_draft_vocabulary_keeps_the_law(tiny, method, params):
 
 @pytest.mark.parametrize("method", ["d3d", "d3d-async"])
 def test_the_method_harness_catches_a_broken_rule(tiny, monkeypatch, method):
-    import d3d.async_engine
-    from sampling_law import tiny_drafter
+    import d3d.decoding.async_engine
 
-    monkeypatch.setattr(d3d.engine, "verify", accept_every_draft)
-    monkeypatch.setattr(d3d.async_engine, "verify", accept_every_draft)
+    monkeypatch.setattr(d3d.decoding.engine, "verify", accept_every_draft)
+    monkeypatch.setattr(d3d.decoding.async_engine, "verify", accept_every_draft)
     run = method_runner(method, tiny, tiny_drafter(tiny_model(noise=NOISE), BLOCK_TINY))
     samples, _ = draw(run, TEMP, N_ALL, FIRST)
     assert chi2_pvalue(samples, exact_law(tiny, PROMPT_ALL, TEMP, FIRST, EOS)) < 1e-6

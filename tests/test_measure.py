@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from d3d.cli import main
-from d3d.methods import DEFAULT_DRAFTERS
+from d3d.methods.catalog import DEFAULT_DRAFTERS
 
 SHIPPED = str(DEFAULT_DRAFTERS / "SmolLM2-135M-Instruct")
 
@@ -30,7 +30,8 @@ def test_estimate_adds_drafters_to_one_report(tmp_path, capsys):
 
 def test_loadtest_short_run(tmp_path):
     out = tmp_path / "load.json"
-    assert main(["loadtest", "--clients", "2", "--duration", "3", "--max-tokens", "6", "--out", str(out)]) == 0
+    assert main(["loadtest", "--clients", "2", "--duration", "3", "--max-tokens", "6", "--phases", "random",
+                 "--out", str(out)]) == 0  # the other phases: tests/test_loadtest.py, on a tiny model
     report = json.loads(out.read_text())
     assert report["command"].startswith("d3d loadtest") and report["requests"] > 0
     assert report["server_5xx"] == 0 and report["greedy_all_equal_ar"] is True

@@ -4,15 +4,15 @@ import random
 
 import pytest
 import torch
-from test_drafter import TINY, TinyTokenizer, tiny_examples
 
-from d3d.batches import TrainConfig
-from d3d.drafter import drafter_from_target
-from d3d.plots import plot_pruning
-from d3d.prune import bypassed, calibration_tau, heal_config, healer, prune, pruning_report, remove_layers
-from d3d.target import ModelArgs, Transformer
+from d3d.training.batches import TrainConfig
+from d3d.drafters.convert import drafter_from_target
+from d3d.bench.plots import plot_pruning
+from d3d.training.prune import bypassed, calibration_tau, heal_config, healer, prune, pruning_report, remove_layers
+from d3d.runtime.target import Transformer
+from helpers import TINY, tiny_args, tiny_examples, tiny_tokenizer
 
-THREE = ModelArgs(**{**TINY.__dict__, "n_layers": 3})
+THREE = tiny_args(TINY.vocab_size, TINY.max_seq_len, n_layers=3)
 
 
 def drafter_with(layers: list[int]):
@@ -21,7 +21,7 @@ def drafter_with(layers: list[int]):
     with torch.no_grad():
         for p in target.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    return drafter_from_target(target, TinyTokenizer(), "tiny", layers, 4).eval().requires_grad_(False)
+    return drafter_from_target(target, tiny_tokenizer(), "tiny", layers, 4).eval().requires_grad_(False)
 
 
 def fresh_draft(d, tokens):
@@ -111,8 +111,8 @@ def test_prune_resumes_after_interruption(tmp_path):
 def test_calibration_prompts_are_neither_training_data_nor_benchmark_prompts():
     from pathlib import Path
 
-    from d3d.data import load_dataset
-    from d3d.prompts import CALIBRATION_SETS, benchmark_prompt_hashes, calibration_prompts, prompt_hash
+    from d3d.corpus.data import load_dataset
+    from d3d.corpus.prompts import CALIBRATION_SETS, benchmark_prompt_hashes, calibration_prompts, prompt_hash
 
     trained = {ex.hash for ex in load_dataset(Path(__file__).resolve().parents[1] / "data" / "distill")}
     banned = benchmark_prompt_hashes()
@@ -152,7 +152,7 @@ def test_a_stopped_run_continues_under_a_looser_rule(tmp_path):
 def test_with_healing_the_stopping_rule_judges_the_healed_drafter(tmp_path, monkeypatch):
     """tau here is a stand-in that grows with depth and with healing: removals that only healing makes
     acceptable go through, and the first removal that healing cannot rescue is undone."""
-    import d3d.prune as prune_module
+    import d3d.training.prune as prune_module
 
     def fake_tau(d, calib, max_new_tokens):
         mean = 1.0 + 0.1 * len(d.layers) + (0.5 if getattr(d, "healed", False) else 0.0)

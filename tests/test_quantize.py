@@ -1,4 +1,4 @@
-"""The CPU weight layouts keep the model's values, and the CPU layers (d3d.kernels) are batch-invariant.
+"""The CPU weight layouts keep the model's values, and the CPU layers (d3d.runtime.kernels) are batch-invariant.
 
 fp32 and int8: every row of a verification pass or a token tree is bitwise what a one-token decoding
 step computes at that position, so speculative methods give exactly plain decoding; the int8 model stays
@@ -11,10 +11,10 @@ import torch
 import torch.nn as nn
 
 from d3d.errors import D3DError
-from d3d.fastpath import PackedLinear, pack_linears
-from d3d.loading import load_target
-from d3d.methods import make_runner
-from d3d.quantize import Int8Linear, apply_quantize
+from d3d.runtime.fastpath import PackedLinear, pack_linears
+from d3d.runtime.loading import load_target
+from d3d.methods.catalog import make_runner
+from d3d.runtime.quantize import Int8Linear, apply_quantize
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +54,9 @@ def test_int8_linear_is_batch_invariant_and_close_to_fp32():
 
 @pytest.mark.parametrize("n, k", [(96, 64), (50, 30)])  # whole blocks; ragged rows and columns (padding)
 def test_int8_kernel_equals_integer_math(n, k):
-    """d3d.kernels' int8 operator is exactly the integer product of per-row int8 activations and weights,
+    """d3d.runtime.kernels' int8 operator is exactly the integer product of per-row int8 activations and weights,
     scaled back: compared with the same quantization computed in float64 by torch."""
-    from d3d.kernels import load_kernels, pack_int8
+    from d3d.runtime.kernels import load_kernels, pack_int8
 
     load_kernels()
     torch.manual_seed(0)
@@ -114,7 +114,7 @@ def test_token_tree_rows_equal_decoding_each_branch(cpu_target, prompt_ids):
 
 
 def test_fp32_kernel_equals_float64_math_and_is_batch_invariant():
-    from d3d.kernels import load_kernels, pack_fp32
+    from d3d.runtime.kernels import load_kernels, pack_fp32
 
     load_kernels()
     torch.manual_seed(0)
@@ -130,9 +130,9 @@ def test_fp32_kernel_equals_float64_math_and_is_batch_invariant():
 def test_shipped_drafter_runs_on_the_cpu_layers_with_pytorch_numerics(smol):
     """The d3d drafter (a Transformer with a block mask) takes the C++ layers too; its draft logits are
     PyTorch's up to float rounding, with the same draft tokens."""
-    from d3d.drafter import bypassed
-    from d3d.drafter_files import load_drafter
-    from d3d.methods import DEFAULT_DRAFTERS
+    from d3d.drafters.drafter import bypassed
+    from d3d.drafters.files import load_drafter
+    from d3d.methods.catalog import DEFAULT_DRAFTERS
 
     model, tok, model_dir = smol
     d = load_drafter(DEFAULT_DRAFTERS / model_dir.name, model, tok)
@@ -214,8 +214,8 @@ def ar_outputs(smol, int8_target, prompt_ids):
 
 def loaded_drafter(model, tok, model_dir, method, quantize_drafter=None):
     """The drafter make_runner built `method` with (Setup.drafter loads one per target, checkpoint and precision)."""
-    from d3d.methods import drafter_path, get
-    from d3d.registry import Setup
+    from d3d.methods.catalog import drafter_path, get
+    from d3d.methods.registry import Setup
 
     setup = Setup(model, tok, model_dir, drafter_path(method, model_dir), quantize_drafter=quantize_drafter)
     return setup.drafter(get(method).drafter_kind, method)

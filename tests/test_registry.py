@@ -11,14 +11,15 @@ import pytest
 
 from d3d import load
 from d3d.cli import main
-from d3d.engine import generate
+from d3d.decoding.engine import generate
+from d3d.decoding.proposer import Proposer
 from d3d.errors import D3DError
-from d3d.methods import check_quantize, make_runner, parse_methods
-from d3d.registry import BUILTIN, REGISTRY, Method, Runner, register
-from sampling_law import StubTokenizer, tiny_model
+from d3d.methods.catalog import check_quantize, make_runner, parse_methods
+from d3d.methods.registry import BUILTIN, REGISTRY, Method, Runner, register
+from helpers import StubTokenizer, tiny_model
 
 
-class RepeatLast:
+class RepeatLast(Proposer):
     """Proposes the last token k times: often wrong, so verification does all the work."""
 
     def reset(self, prompt_ids):
@@ -95,7 +96,7 @@ def test_the_command_line_lists_registered_methods_and_their_drafter_options(toy
 
 
 def test_the_builtin_table_lists_exactly_the_builtin_methods():
-    import d3d.methods  # noqa: F401 (registers the built-ins)
+    import d3d.methods.catalog  # noqa: F401 (registers the built-ins)
 
     assert {name: m.option for name, m in REGISTRY.items()} == BUILTIN
     with pytest.raises(D3DError, match="registry.BUILTIN"):
@@ -120,6 +121,6 @@ def test_quantize_is_refused_by_the_methods_that_run_the_target_on_their_own_run
         check_quantize(None, [method])
     check_quantize("int8", ["ar", "ngram", "d3d", "d3d-tree", "lookup-tree", "llama-cpp-q8", "suffix"])
     model = tiny_model()
-    model.quantized = "int8"  # as d3d.quantize marks an int8 target
+    model.quantized = "int8"  # as d3d.runtime.quantize marks an int8 target
     with pytest.raises(D3DError, match="^hf runs"):
         make_runner("hf", model, StubTokenizer(), Path("tiny"))

@@ -94,7 +94,7 @@ def test_rollback_leaves_no_trace(smol, sequences):
 def test_engine_style_rounds_match_fresh_run(smol, sequences):
     """Rounds as the engine runs them: feed the pending token + a draft, keep part of the draft, roll back,
     go on. The kept tokens' cache entries were computed next to rejected ones; a fresh run over the kept
-    sequence must agree: bitwise on the CPU layers (d3d.kernels: every row as if alone), else up to
+    sequence must agree: bitwise on the CPU layers (d3d.runtime.kernels: every row as if alone), else up to
     PyTorch's kernel differences between chunkings, far below any real error."""
     model, prompt = smol[0], sequences[1]
     vocab = model.args.vocab_size
@@ -202,7 +202,7 @@ def test_packed_continuations_of_a_cached_prefix(smol, sequences):
 
 
 def test_sliding_window_caps_the_context():
-    from d3d.target import ModelArgs
+    from d3d.runtime.layers import ModelArgs
 
     base = dict(model_type="mistral", vocab_size=10, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
                 intermediate_size=4, max_position_embeddings=32768)
@@ -220,7 +220,7 @@ def test_greedy_choices_equal_the_committed_bench_outputs(smol):
     import json
     from pathlib import Path
 
-    from d3d.prompts import benchmark_prompts, encode_prompt, first_turn
+    from d3d.corpus.prompts import benchmark_prompts, encode_prompt, first_turn
 
     model, tok, _ = smol
     report = json.loads((Path(__file__).parents[1] / "results" / "bench_full_t0_cpu.json").read_text())
@@ -241,10 +241,10 @@ def test_greedy_choices_equal_the_committed_bench_outputs(smol):
 
 @torch.no_grad()
 def test_batched_generation_equals_plain_decoding(smol, sequences):
-    """d3d.data.generate_batch (left padding, masks, compaction of finished rows) gives each prompt plain
+    """d3d.corpus.data.generate_batch (left padding, masks, compaction of finished rows) gives each prompt plain
     decoding's greedy answer; sampled, the same seed gives the same answers."""
-    from d3d.data import generate_batch
-    from d3d.engine import generate
+    from d3d.corpus.data import generate_batch
+    from d3d.decoding.engine import generate
 
     model, tok, _ = smol
     eos = {tok.eos_token_id}
@@ -270,9 +270,9 @@ def test_compiled_decoding_equals_eager(smol, sequences):
     order) at every position, also after the cache is asked to grow; the compiled multi-token graph gives
     eager's logits for a causal chunk and a token tree; batches and a replaced cache stay eager."""
     from d3d.errors import D3DError
-    from d3d.fastpath import compile_decode
-    from d3d.loading import load_runtime
-    from d3d.tokentree import tree_mask, tree_positions
+    from d3d.runtime.fastpath import compile_decode
+    from d3d.runtime.loading import load_runtime
+    from d3d.decoding.tokentree import tree_mask, tree_positions
 
     def first_layers(n: int = 4):  # the real weights, fewer layers: compiling 30 takes twice as long
         model = load_runtime(smol[2])
@@ -316,9 +316,9 @@ def test_compiled_decoding_equals_eager(smol, sequences):
 def test_hf_fallback_rolls_back_and_speculates_losslessly(smol, sequences):
     """The transformers fallback (HFRuntime, for architectures without a native runtime): a rollback
     forgets exactly the dropped tokens, and n-gram speculation on it gives plain decoding's tokens."""
-    from d3d.engine import generate
-    from d3d.hf import HFRuntime
-    from d3d.ngram import NgramProposer
+    from d3d.decoding.engine import generate
+    from d3d.runtime.hf import HFRuntime
+    from d3d.methods.ngram import NgramProposer
 
     model, tok = HFRuntime(smol[2]), smol[1]
     seq = sequences[0]
@@ -330,7 +330,7 @@ def test_hf_fallback_rolls_back_and_speculates_losslessly(smol, sequences):
     plain = generate(model, tok, seq, max_new_tokens=24)
     spec = generate(model, tok, seq, max_new_tokens=24, proposer=NgramProposer())
     assert spec.token_ids == plain.token_ids and spec.rounds < plain.rounds
-    from d3d.methods import make_runner
+    from d3d.methods.catalog import make_runner
 
     fitted = make_runner("ngram", model, tok, smol[2])  # measures this runtime's cost curve to cut its copies
     assert fitted(seq, max_new_tokens=24).token_ids == plain.token_ids
@@ -342,7 +342,7 @@ def test_cache_lock_lets_one_process_fetch_or_convert_at_a_time(tmp_path, monkey
     import threading
     import time
 
-    from d3d.checkpoints import cache_lock
+    from d3d.runtime.checkpoints import cache_lock
 
     monkeypatch.setenv("D3D_CACHE", str(tmp_path))
     events = []

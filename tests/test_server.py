@@ -171,36 +171,20 @@ class StopGeneration(Exception):
 
 def _tiny_runs():
     """(target, prompt, {method: run(**kw)}) on tiny random models for ar, ngram, d3d and d3d-async."""
-    import torch
+    from d3d.decoding.async_engine import generate_async
+    from d3d.decoding.engine import generate
+    from d3d.methods.ngram import NgramProposer
+    from d3d.methods.d3d import D3DProposer
+    from helpers import StubTokenizer, tiny_pair
 
-    from d3d.async_engine import generate_async
-    from d3d.drafter import drafter_from_target
-    from d3d.engine import generate
-    from d3d.ngram import NgramProposer
-    from d3d.proposer import D3DProposer
-    from d3d.target import ModelArgs, Transformer
-
-    class Tok:
-        eos_token_id = -1
-
-        def get_vocab(self):
-            return {f"t{i}": i for i in range(64)}
-
-        def decode(self, ids):
-            return " ".join(f"t{i}" for i in ids)
-
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        target = Transformer(ModelArgs(vocab_size=64, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
-                                       intermediate_size=64, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=128))
-        target = target.eval().requires_grad_(False)
-        drafter = drafter_from_target(target, Tok(), "tiny", [0, 1], 4).eval().requires_grad_(False)
+    target, drafter = tiny_pair(64, 4, peaky=False)
+    tok = StubTokenizer(64, eos=-1)
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
-    runs = {"ar": lambda **kw: generate(target, Tok(), prompt, **kw),
-            "ngram": lambda **kw: generate(target, Tok(), prompt, proposer=NgramProposer(), block_size=4, **kw),
-            "d3d": lambda **kw: generate(target, Tok(), prompt, proposer=D3DProposer(drafter, 64, 128), block_size=4,
+    runs = {"ar": lambda **kw: generate(target, tok, prompt, **kw),
+            "ngram": lambda **kw: generate(target, tok, prompt, proposer=NgramProposer(), block_size=4, **kw),
+            "d3d": lambda **kw: generate(target, tok, prompt, proposer=D3DProposer(drafter, 64, 128), block_size=4,
                                          **kw),
-            "d3d-async": lambda **kw: generate_async(target, Tok(), prompt, drafter=drafter, **kw)}
+            "d3d-async": lambda **kw: generate_async(target, tok, prompt, drafter=drafter, **kw)}
     return target, prompt, runs
 
 
@@ -230,8 +214,8 @@ def test_logprobs_recorded_for_every_method():
     target's logits over the whole text (one full forward), greedy and sampled; off by default."""
     import torch
 
-    from d3d.engine import LogprobRecorder
-    from d3d.verify import SamplingParams
+    from d3d.decoding.engine import LogprobRecorder
+    from d3d.decoding.verify import SamplingParams
 
     target, prompt, runs = _tiny_runs()
     for method, run in runs.items():
@@ -670,7 +654,7 @@ class ScriptedRunner:
         self.tokenizer, self.rounds = tokenizer, 0
 
     def __call__(self, prompt_ids, params=None, max_new_tokens=16, stop=None, on_round=None, logprobs=None):
-        from d3d.engine import GenerationResult
+        from d3d.decoding.engine import GenerationResult
 
         if max_new_tokens == FAILING:
             raise RuntimeError("boom")
@@ -796,7 +780,7 @@ def test_worker_survives_a_failing_generation(scripted):
 def test_text_streamer_equals_final_text(env):
     """The incremental TextStreamer: its deltas, for any split into rounds, concatenate to the engine's
     final text (EOS dropped, cut before the first stop), multi-byte characters and long stops included."""
-    from d3d.engine import StopChecker
+    from d3d.decoding.engine import StopChecker
     from d3d.server import TextStreamer
 
     tok = env[1]["gen"].tokenizer

@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from d3d.target import ModelArgs, Transformer
+from d3d.runtime.target import Transformer
+from helpers import tiny_args
 
 V = 64
 EOS = 1
@@ -68,8 +69,7 @@ class CharTokenizer:
 def tiny_target() -> Transformer:
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        model = Transformer(ModelArgs(vocab_size=V, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
-                                      intermediate_size=64, norm_eps=1e-5, rope_theta=10000, max_seq_len=4096))
+        model = Transformer(tiny_args(V, 4096))
     return model.eval().requires_grad_(False)
 
 
@@ -128,7 +128,7 @@ def _serve():
     import uvicorn
 
     from d3d.api import Generator
-    from d3d.engine import generate
+    from d3d.decoding.engine import generate
     from d3d.server.app import create_app, server_config
 
     model, tok = tiny_target(), CharTokenizer()
@@ -196,7 +196,7 @@ def test_chunked_prefill_equals_one_forward():
 
 def test_long_prompt_answer_equals_engine(served):
     client, _, _, _ = served
-    from d3d.engine import generate
+    from d3d.decoding.engine import generate
 
     ids = long_prompt(300)
     status, out = client.request("POST", "/v1/completions", {"prompt": ids, "max_tokens": 8})

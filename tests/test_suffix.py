@@ -10,15 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-import d3d.tokentree
-from d3d.engine import generate
+import d3d.decoding.tokentree
+from d3d.decoding.engine import generate
 from d3d.errors import D3DError
-from d3d.methods import make_runner
-from d3d.prompts import encode_prompt
-from d3d.registry import REGISTRY
-from d3d.suffix import SUFFIX_DEFAULTS, SuffixProposer, SuffixRunner, suffix_cache
-from d3d.verify import SamplingParams
-from sampling_law import EOS, StubTokenizer, chi2_pvalue, draw, exact_law, no_residual_update, tiny_model
+from d3d.methods.catalog import make_runner
+from d3d.corpus.prompts import encode_prompt
+from d3d.methods.registry import REGISTRY
+from d3d.methods.suffix import SUFFIX_DEFAULTS, SuffixProposer, SuffixRunner, suffix_cache
+from d3d.decoding.verify import SamplingParams
+from helpers import EOS, StubTokenizer, tiny_model
+from sampling_law import chi2_pvalue, draw, exact_law, no_residual_update
 
 try:
     import arctic_inference.suffix_decoding  # noqa: F401
@@ -155,6 +156,6 @@ def test_sampling_keeps_the_target_law_and_a_broken_rule_is_caught(tiny, monkeyp
     samples, rounds = draw(run_with(tiny_runner(tiny)), params, 1200, 4)
     assert chi2_pvalue(samples, dist) > 1e-3
     assert branches["suffix"] > 600 and rounds[3] + rounds[4] > 100  # drafts accepted, often several at once
-    monkeypatch.setattr(d3d.tokentree, "_choose", no_residual_update)
+    monkeypatch.setattr(d3d.decoding.tokentree, "_choose", no_residual_update)
     samples, _ = draw(run_with(tiny_runner(tiny)), params, 1200, 4)
     assert chi2_pvalue(samples, dist) < 1e-6

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from d3d.batches import TrainConfig
+from d3d.training.batches import TrainConfig
 from d3d.errors import D3DError
-from d3d.train import train
+from d3d.training.train import train
 
-from test_drafter import tiny_drafter, tiny_examples
+from helpers import tiny_examples, trainable_drafter
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,7 +27,7 @@ def test_a_crafted_state_file_is_refused_without_running_it(tmp_path, monkeypatc
     run.mkdir()
     (run / "state.pt").write_bytes(pickle.dumps({"model": Payload()}))
     with pytest.raises(D3DError, match="cannot resume from .*state.pt"):
-        train(tiny_drafter(), tiny_examples(), TrainConfig(steps=1, batch_size=1), run, log=lambda m: None)
+        train(trainable_drafter(), tiny_examples(), TrainConfig(steps=1, batch_size=1), run, log=lambda m: None)
     assert not (tmp_path / "pwned").exists()
 
 
@@ -40,9 +40,9 @@ def test_data_numbers_are_checked_before_the_model_loads(tmp_path, option):
 
 
 def test_damaged_inputs_are_one_line_errors(tmp_path, smol):
-    from d3d.bench import read_prompts_file
-    from d3d.datastore import SHIPPED, load_datastore
-    from d3d.drafter_files import load_drafter
+    from d3d.bench.harness import read_prompts_file
+    from d3d.corpus.datastore import SHIPPED, load_datastore
+    from d3d.drafters.files import load_drafter
 
     model, tok, _ = smol
     truncated = tmp_path / "t.npz"

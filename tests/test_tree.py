@@ -1,4 +1,4 @@
-"""Token-tree verification (d3d.tree, d3d.tokentree, d3d.treecost): the tree forward equals each branch run alone, cache compaction
+"""Token-tree verification (d3d.decoding.tree, d3d.decoding.tokentree, d3d.decoding.treecost): the tree forward equals each branch run alone, cache compaction
 keeps exactly the accepted path, greedy output is plain decoding's on real prompts, and the
 multi-candidate sampling rule keeps the target's law (a broken rule is caught)."""
 from __future__ import annotations
@@ -8,20 +8,21 @@ from collections import Counter
 import pytest
 import torch
 
-import d3d.tokentree
-import d3d.tree
-import d3d.treecost
-from d3d.engine import LogprobRecorder, generate
-from d3d.methods import make_runner
-from d3d.proposer import D3DProposer
-from d3d.tokentree import Candidate, TokenTree, TreeDraft, compact_cache, tree_logits, tree_mask, tree_positions
-from d3d.ngram import ngram_continuations
-from d3d.datastore import shipped_datastore
-from d3d.tree import TreeProposer, generate_tree
-from d3d.treecost import WidthCost, choose_budget, choose_slots
-from d3d.verify import SamplingParams, probs_from_logits
-from sampling_law import (EOS, V, StubTokenizer, chi2_pvalue, draw, exact_law, no_residual_update, tiny_datastore,
-                          tiny_drafter, tiny_model)
+import d3d.decoding.tokentree
+import d3d.methods.tree
+import d3d.decoding.treecost
+from d3d.decoding.engine import LogprobRecorder, generate
+from d3d.methods.catalog import make_runner
+from d3d.methods.d3d import D3DProposer
+from d3d.decoding.tokentree import Candidate, TokenTree, TreeDraft, compact_cache, tree_logits, tree_mask, tree_positions
+from d3d.methods.ngram import ngram_continuations
+from d3d.corpus.datastore import shipped_datastore
+from d3d.decoding.tree import generate_tree
+from d3d.methods.tree import TreeProposer
+from d3d.decoding.treecost import WidthCost, choose_budget, choose_slots
+from d3d.decoding.verify import SamplingParams, probs_from_logits
+from helpers import EOS, V, StubTokenizer, tiny_datastore, tiny_drafter, tiny_model
+from sampling_law import chi2_pvalue, draw, exact_law, no_residual_update
 
 GREEDY = SamplingParams()
 CONTEXT = [1, 2, 3, 4, 5, 1, 2]
@@ -85,7 +86,7 @@ def test_compaction_keeps_exactly_the_accepted_path(tiny, leaf, shared):
     for layer in tiny.layers:
         layer.attention.k_cache = layer.attention.v_cache = None
     tiny.setup_cache(1, 64)
-    if not shared:  # caches replaced after setup (as d3d.data does): each layer's rows are moved on their own
+    if not shared:  # caches replaced after setup (as d3d.corpus.data does): each layer's rows are moved on their own
         for att in (layer.attention for layer in tiny.layers):
             att.k_cache, att.v_cache = att.k_cache.clone(), att.v_cache.clone()
     assert (tiny.layers[0].attention.k_cache is tiny.cache_views[0]) == shared
@@ -139,14 +140,14 @@ def test_the_drafter_runs_while_it_pays_and_is_probed_when_it_does_not():
     for _ in range(5):
         tree.accepted(drafted, [], drafted=True)  # it proposed nothing that was accepted
     assert not tree.drafting_pays()
-    for _ in range(d3d.tree.PROBE_ROUNDS):
+    for _ in range(d3d.methods.tree.PROBE_ROUNDS):
         tree.accepted(drafted, [], drafted=False)
     assert tree.drafting_pays()  # probed again
     for _ in range(10):
         tree.accepted(drafted, [1], drafted=True)  # now its token is accepted every round
     assert tree.drafting_pays()
     copied = TokenTree([0, 5, 6, 7, 8], [-1, 0, 1, 2, 3], [0, 1, 2, 3, 4], [{"root"}] + [{"ngram"}] * 4, [[]] * 5)
-    for _ in range(d3d.tree.PROBE_ROUNDS - 1):
+    for _ in range(d3d.methods.tree.PROBE_ROUNDS - 1):
         tree.accepted(copied, [1, 2, 3, 4], drafted=False)  # n-gram copies make tokens 5x cheaper ...
     assert not tree.drafting_pays()  # ... so the drafter's one token a round is no longer worth its cost
 
@@ -156,7 +157,7 @@ def test_ngram_rates_are_learned_from_the_nodes_whose_parent_was_reached():
     tree.reset([1])
     key, deeper = ("ngram", 1, 0, 0), ("ngram", 1, 0, 1)
     prior = tree.rate(key)
-    assert prior == d3d.tree.NGRAM_CONFIDENCE[1]
+    assert prior == d3d.methods.tree.NGRAM_CONFIDENCE[1]
     draft = TreeDraft(7)
     draft.add([3, 4], [prior, prior], "ngram", keys=[key, deeper])
     t = draft.select(budget=10, max_depth=5)
@@ -173,9 +174,9 @@ def test_choose_slots_keeps_the_slots_that_cost_little(monkeypatch):
     drafter = type("D", (), {"block_size": 16})()
     proposer = type("P", (), {"drafter": drafter})()
     costs = {2: 1.0, 4: 1.2, 8: 1.3, 16: 2.0}  # compute-bound beyond 4 slots, as on a CPU
-    monkeypatch.setattr(d3d.treecost, "drafter_costs", lambda p, slots: {s: costs[s] for s in slots})
+    monkeypatch.setattr(d3d.decoding.treecost, "drafter_costs", lambda p, slots: {s: costs[s] for s in slots})
     assert choose_slots(proposer) == (4, 1.2)
-    monkeypatch.setattr(d3d.treecost, "drafter_costs", lambda p, slots: {s: 1.0 for s in slots})
+    monkeypatch.setattr(d3d.decoding.treecost, "drafter_costs", lambda p, slots: {s: 1.0 for s in slots})
     assert choose_slots(proposer) == (16, 1.0)  # bound by reading the weights, as on a GPU
 
 
@@ -200,11 +201,10 @@ def test_greedy_equals_plain_decoding_on_real_prompts(smol, prompt_ids, short_an
     ar = generate(model, tok, short_answer_ids, GREEDY, 32)
     res = tree(short_answer_ids, params=GREEDY, max_new_tokens=32, stop=None)
     assert res.token_ids == ar.token_ids and res.finish_reason == ar.finish_reason == "eos"
-    seen, plain = [], []  # a callback taking `branch` (the server's) gets each round's accepted branch
-    res = tree(prompt_ids[0], params=GREEDY, max_new_tokens=16,
-               on_round=lambda chunk, accepted, branch=None: seen.append(branch))
-    tree(prompt_ids[0], params=GREEDY, max_new_tokens=16, on_round=lambda chunk, accepted: plain.append(accepted))
-    assert seen == [None] + res.branches and len(plain) == len(seen)
+    seen, rounds = [], []  # on_branch gets each round's accepted branch, before that round's on_round
+    res = tree(prompt_ids[0], params=GREEDY, max_new_tokens=16, on_branch=seen.append,
+               on_round=lambda chunk, accepted: rounds.append(len(seen)))
+    assert seen == res.branches and rounds == list(range(len(seen) + 1))
     res = tree(prompt_ids[0], params=GREEDY, max_new_tokens=5, logprobs=LogprobRecorder())
     ar = generate(model, tok, prompt_ids[0], GREEDY, 5, logprobs=LogprobRecorder())
     assert res.token_ids == ar.token_ids
@@ -251,7 +251,7 @@ def node_outcomes(choose, params: SamplingParams, n: int) -> list[tuple[int]]:
 def test_one_node_emits_the_target_law(params):
     law = probs_from_logits(ROW, params).double().tolist()
     dist = {(t,): p for t, p in enumerate(law) if p > 0}
-    assert chi2_pvalue(node_outcomes(d3d.tokentree._choose, params, 12000), dist) > 1e-3
+    assert chi2_pvalue(node_outcomes(d3d.decoding.tokentree._choose, params, 12000), dist) > 1e-3
     assert chi2_pvalue(node_outcomes(no_residual_update, params, 12000), dist) < 1e-6
 
 
@@ -279,7 +279,7 @@ def test_generation_keeps_the_law_and_a_broken_rule_is_caught(tiny, tree_propose
     assert chi2_pvalue(samples, dist) > 1e-3
     assert branches["alt"] > 50 and branches["ngram"] > 50 and branches["d3d"] > 50  # every kind of sibling
     assert sum(n for b, n in branches.items() if "datastore" in b) > 50
-    monkeypatch.setattr(d3d.tokentree, "_choose", no_residual_update)
+    monkeypatch.setattr(d3d.decoding.tokentree, "_choose", no_residual_update)
     samples, _ = draw(tree_run(tiny, tree_proposer), params, 1200, 4)
     assert chi2_pvalue(samples, dist) < 1e-6
 
@@ -289,8 +289,8 @@ def test_a_drafter_whose_nodes_never_make_the_cut_stops_running(tiny, monkeypatc
     n-gram matches fills the budget): such rounds count as drafted with nothing gained, so it is then run
     only on probe rounds."""
     calls = []
-    block = d3d.tree.SlotBlock([[1]] * 2, [[0.9]] * 2)
-    monkeypatch.setattr(d3d.tree, "d3d_block", lambda *a, **k: calls.append(1) or block)
+    block = d3d.methods.tree.SlotBlock([[1]] * 2, [[0.9]] * 2)
+    monkeypatch.setattr(d3d.methods.tree, "d3d_block", lambda *a, **k: calls.append(1) or block)
     proposer = TreeProposer(D3DProposer(tiny_drafter(tiny), V, max_len=64), budget=1, draft_slots=2,
                             cost=WidthCost({1: 1.0, 16: 1.0}, overhead=0.5))  # room for the root only
     res = generate_tree(tiny, StubTokenizer(), [1, 2, 3, 1, 2], GREEDY, 40, proposer=proposer, max_depth=3)

@@ -9,16 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from d3d.batches import TrainConfig, make_batch, vocab_map_for
-from d3d.drafter import drafter_from_target
-from d3d.drafter_files import load_drafter, save_drafter, weight_files
-from d3d.engine import generate
-from d3d.packed import keep_prefix, packed_draft
-from d3d.proposer import D3DProposer
-from d3d.target import Transformer
-from d3d.train import train_drafter
-
-from test_drafter import TINY, TinyTokenizer, tiny_examples
+from d3d.training.batches import TrainConfig, make_batch, vocab_map_for
+from d3d.drafters.convert import drafter_from_target
+from d3d.drafters.files import load_drafter, save_drafter, weight_files
+from d3d.decoding.engine import generate
+from d3d.decoding.packed import keep_prefix, packed_draft
+from d3d.methods.d3d import D3DProposer
+from d3d.runtime.target import Transformer
+from d3d.training.train import train_drafter
+from helpers import TINY, tiny_examples, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,7 +29,7 @@ def tiny_target() -> Transformer:
 
 
 def shift_drafter(target: Transformer, block_size: int = 4):
-    d = drafter_from_target(target, TinyTokenizer(), "tiny", list(range(target.args.n_layers)), block_size,
+    d = drafter_from_target(target, tiny_tokenizer(), "tiny", list(range(target.args.n_layers)), block_size,
                             shift=True)
     return d.eval().requires_grad_(False)
 
@@ -112,12 +111,12 @@ def test_delta_checkpoint_stores_only_trained_layers_and_reloads_exactly(tmp_pat
     stored = set().union(*(load_file(f).keys() for f in files))
     assert not any(k.startswith("layers.0.") for k in stored) and "layers.1.attention.wqkv.weight" in stored
     assert "tok_embeddings.weight" not in stored and "mask_embedding" in stored
-    back = load_drafter(tmp_path / "dr", tiny_target, TinyTokenizer())
+    back = load_drafter(tmp_path / "dr", tiny_target, tiny_tokenizer())
     assert back.cfg == d.cfg and back.layers[0].attention.wqkv is tiny_target.layers[0].attention.wqkv
     for (k, a), b in zip(d.state_dict().items(), back.state_dict().values()):
         assert torch.equal(a, b), k
     save_drafter(back, tmp_path / "again", dtype=torch.float32)
-    again = load_drafter(tmp_path / "again", tiny_target, TinyTokenizer())
+    again = load_drafter(tmp_path / "again", tiny_target, tiny_tokenizer())
     seq = [5, 6, 7, 8, 9, 10]
     logits = []
     for m in (d, back, again):
@@ -139,7 +138,7 @@ def test_whole_target_drafts_the_targets_greedy_token_first(smol, prompt_ids, wh
 
 
 def test_whole_drafter_greedy_is_identical_to_ar_in_d3d_and_d3d_async(smol, prompt_ids, whole):
-    from d3d.async_engine import generate_async
+    from d3d.decoding.async_engine import generate_async
 
     model, tok, _ = smol
     proposer = D3DProposer(whole, model.args.vocab_size)

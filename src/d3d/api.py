@@ -15,13 +15,13 @@ from typing import Callable
 
 import torch
 
-from .engine import GenerationResult, LogprobRecorder, validate_request
+from .decoding.engine import GenerationResult, LogprobRecorder, validate_request
 from .errors import D3DError
-from .loading import load_target
-from .methods import best_method, check_quantize, check_quantize_drafter, make_runner, parse_methods
-from .registry import check_method_options, get
-from .prompts import encode_prompt
-from .verify import SamplingParams
+from .runtime.loading import load_target
+from .methods.catalog import best_method, check_quantize, check_quantize_drafter, make_runner, parse_methods
+from .methods.registry import REGISTRY, check_method_options, get
+from .corpus.prompts import encode_prompt
+from .decoding.verify import SamplingParams
 
 CHAT_ROLES = ("system", "user", "assistant")
 
@@ -91,12 +91,18 @@ class Generator:
         validate_request(self.model, prompt_ids, max_new_tokens, self.block_size)
 
     def run(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
-            stop: list[str] | None = None, on_round=None, logprobs: LogprobRecorder | None = None
-            ) -> GenerationResult:
+            stop: list[str] | None = None, on_round=None, logprobs: LogprobRecorder | None = None,
+            on_branch=None) -> GenerationResult:
         """Generate from token ids (serialised: one generation at a time). logprobs: a LogprobRecorder to
-        record every emitted token's target logprobs in (res.logprobs)."""
+        record every emitted token's target logprobs in (res.logprobs; D3DError if the method cannot).
+        on_branch(branch): with the tree methods, each round's accepted branch, before on_round (else never)."""
         self.check(prompt_ids, max_new_tokens)
+        info = REGISTRY.get(self.method)  # None for a runner built outside the registry
+        if logprobs is not None and info is not None and not info.logprobs:
+            raise D3DError(f"method {self.method} does not report logprobs")
         extra = {} if logprobs is None else {"logprobs": logprobs}
+        if on_branch is not None and info is not None and info.branches:
+            extra["on_branch"] = on_branch
         with self._lock:
             return self.runner(prompt_ids, params=params, max_new_tokens=max_new_tokens, stop=stop or None,
                                on_round=on_round, **extra)
@@ -122,7 +128,7 @@ class Generator:
     def forget(self) -> bool:
         """Drop what the method learned from this Generator's earlier generations (lookup-tree, d3d-tree
         and suffix with learning on); False if it learns nothing."""
-        from .bench import forget_history
+        from .bench.harness import forget_history
 
         with self._lock:
             return forget_history(self.runner)
@@ -139,7 +145,7 @@ def load(target: str | None = None, method: str | None = None, drafter: str | No
     """Load a target and a decoding method; returns a Generator (see Generator.generate).
 
     target: a Hugging Face model folder or .gguf file (None = the embedded SmolLM2-135M-Instruct);
-    method: a registered method name (d3d.registry; default: the target's best_method); drafter: checkpoint for drafter-based
+    method: a registered method name (d3d.methods.registry; default: the target's best_method); drafter: checkpoint for drafter-based
     methods (None = the one shipped for the target), for draft-model the draft model (a known name, a HF
     folder or a .gguf file with the target's tokenizer); threads: torch CPU threads (None = leave torch's
     setting alone; it is process-wide); quantize: None (fp32) or "int8" (target and drafter);
@@ -149,7 +155,7 @@ def load(target: str | None = None, method: str | None = None, drafter: str | No
     the methods' options, as `--tree-budget`, `--datastore PATH|none`, `--ar-draft-k` and `--draft-k` (None:
     fitted to this device; the shipped datastore; adaptive); learn: the tree methods and suffix also draft
     from this Generator's own earlier answers (False: only the datastore and the prompt, as `--no-learn`),
-    the tree methods keeping at most `learn_tokens` tokens of them (None: d3d.datastore.LEARN_TOKENS, oldest
+    the tree methods keeping at most `learn_tokens` tokens of them (None: d3d.corpus.learned.LEARN_TOKENS, oldest
     dropped first; suffix keeps its last SUFFIX_DEFAULTS["max_cached_requests"] answers)."""
     methods = parse_methods(method or best_method(target))
     if len(methods) != 1:

@@ -4,11 +4,12 @@ A file or folder is written beside its destination under a temp name (the destin
 fsynced, renamed into place, and the folder holding it fsynced (a rename is recorded in the folder, not
 in the file). An error or an interruption (KeyboardInterrupt included) deletes the temp; one left by a
 killed process has the same fixed name, so the next write of that destination deletes or overwrites it.
-Two processes must not write the same destination at once (the cache takes d3d.checkpoints.cache_lock).
+Two processes must not write the same destination at once (the cache takes d3d.runtime.checkpoints.cache_lock).
 """
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import shutil
 from contextlib import contextmanager
@@ -107,3 +108,14 @@ def replace_folder(new: Path, path: Path) -> None:
         new = aside
     fsync_path(path.parent)
     shutil.rmtree(new, ignore_errors=True)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write `path` whole or not at all, durably (atomic_path: fsynced, renamed into place, the folder
+    fsynced; an interruption deletes the temp file)."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def atomic_write_json(path: Path, obj) -> None:
+    atomic_write_bytes(Path(path), (json.dumps(obj, indent=1) + "\n").encode())

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import D3DError, first_line
-from ..registry import check_method_options, get
+from ..methods.registry import check_method_options, get
 
 
 def set_threads(n: int | None) -> None:
@@ -80,7 +80,7 @@ def loading(what: str):
 
 def open_target(target: str | None, device: str = "cpu", quantize: str | None = None, compile: bool = False):
     """load_target, with any failure to read the checkpoint reported as a user error."""
-    from ..loading import load_target
+    from ..runtime.loading import load_target
 
     with loading(f"target {target}"):
         return load_target(target, device, quantize=quantize, compile=compile)
@@ -137,6 +137,6 @@ def drafter_for(method: str, args: argparse.Namespace) -> str | None:
 
 
 def sampling(args: argparse.Namespace):
-    from ..verify import SamplingParams
+    from ..decoding.verify import SamplingParams
 
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)

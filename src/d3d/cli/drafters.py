@@ -1,10 +1,11 @@
-"""The commands that make drafters: data (self-distillation), train and prune."""
+"""The commands that make drafters, data (self-distillation), datastore, train and prune: their arguments and what they run."""
 from __future__ import annotations
 
 import argparse
 import shlex
 from pathlib import Path
 
+from ..drafters.kinds import D3D, KINDS
 from ..errors import D3DError
 from .checks import check_drafter, check_max_shards, int_list, loading, open_target
 
@@ -18,8 +19,8 @@ def check_datasets(data: str, extra: list[str] | None) -> list[str]:
 
 
 def cmd_data(args: argparse.Namespace) -> None:
-    from ..checkpoints import DEFAULT_TARGET
-    from ..data import build_dataset, dataset_manifest
+    from ..runtime.checkpoints import DEFAULT_TARGET
+    from ..corpus.data import build_dataset, dataset_manifest
 
     for name in ("max_tokens", "max_new_tokens", "batch_size", "shard_size"):
         if getattr(args, name) <= 0:
@@ -42,8 +43,8 @@ def cmd_data(args: argparse.Namespace) -> None:
 
 
 def cmd_datastore(args: argparse.Namespace) -> None:
-    from ..checkpoints import read_hf_config, resolve_target
-    from ..datastore import build_datastore, save_datastore
+    from ..runtime.checkpoints import read_hf_config, resolve_target
+    from ..corpus.datastore import build_datastore, save_datastore
 
     extra = check_datasets(args.data, args.extra_data)
     check_max_shards(args.max_shards)
@@ -56,22 +57,24 @@ def cmd_datastore(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from ..train import TrainConfig, train_drafter
+    from ..training.train import TrainConfig, train_drafter
 
     extra = check_datasets(args.data, args.extra_data)
     check_max_shards(args.max_shards)
-    from ..checkpoints import read_hf_config, resolve_target
-    from ..dflash import default_target_layers
+    from ..runtime.checkpoints import read_hf_config, resolve_target
+    from ..drafters.kinds import get_kind, spread_layers
 
     if args.init:
         check_drafter(args.init)
-        from ..drafter_files import read_drafter_config
+        from ..drafters.files import read_drafter_config
 
         if read_drafter_config(Path(args.init)).lora_rank:  # loading merges the adapters: nothing would train
             raise D3DError(f"--init {args.init} is a LoRA drafter; continue its training from its run folder "
                            "instead (the command that made it, with a larger --steps and the same --run-dir)")
-    if args.init_model is not None and (args.init or args.kind != "d3d"):
-        raise D3DError("--init-model builds a new d3d drafter: it excludes --init and --kind other than d3d")
+    kind = get_kind(args.kind)
+    if args.init_model is not None and (args.init or not kind.converts):
+        raise D3DError(f"--init-model builds a new drafter of a kind that converts a whole model; it excludes "
+                       f"--init and --kind {kind.name}")
     if args.lora_rank < 0 or (args.lora_rank and args.init_model in (None, "target")):
         raise D3DError("--lora-rank needs --init-model NAME|PATH (a model other than the target) and must be >= 0")
     if args.heldout < 1:
@@ -81,26 +84,27 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.max_file_mb is not None and args.max_file_mb <= 0:
         raise D3DError(f"--max-file-mb must be > 0 (got {args.max_file_mb})")
     whole = args.init_model is not None
-    layers = None if whole and args.layers is None else int_list(args.layers or "26,27,28,29", "--layers")
-    draft_vocab = args.draft_vocab if args.draft_vocab is not None else 0 if whole else 8192
-    ar_weight = {"d3d": 0.5, "dflash": 0.0, "ar": 1.0}[args.kind] if args.ar_weight is None else args.ar_weight
+    layers = None if whole and args.layers is None else \
+        int_list(args.layers, "--layers") if args.layers else list(kind.layers)
+    draft_vocab = args.draft_vocab if args.draft_vocab is not None else 0 if whole else kind.draft_vocab
+    ar_weight = kind.ar_weight if args.ar_weight is None else args.ar_weight
     if not 0 <= args.layer_drop < 1:
         raise D3DError(f"--layer-drop must be in [0, 1) (got {args.layer_drop})")
     if not 0 <= args.distill <= 1:
         raise D3DError(f"--distill must be in [0, 1] (got {args.distill})")
-    if args.kind == "ar" and ar_weight <= 0:
-        raise D3DError("--kind ar trains with the next-token loss only: --ar-weight must be > 0")
+    if not kind.blocks and ar_weight <= 0:
+        raise D3DError(f"--kind {kind.name} trains with the next-token loss only: --ar-weight must be > 0")
     n = read_hf_config(resolve_target(args.target))["num_hidden_layers"]
     if not whole and not all(0 <= i < n for i in layers):
         raise D3DError(f"--layers must lie in 0..{n - 1} (got {layers})")
     target_layers = None
-    if args.kind == "dflash":
+    if kind.reads_target:
         target_layers = int_list(args.target_layers, "--target-layers") if args.target_layers \
-            else default_target_layers(n, 4)
+            else spread_layers(n, kind.target_taps)
         if not all(0 <= i < n for i in target_layers):
             raise D3DError(f"--target-layers must lie in 0..{n - 1} (got {target_layers})")
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, ar_weight=ar_weight,
-                      gamma=args.gamma, blocks_per_seq=0 if args.kind == "ar" else args.blocks_per_seq, seed=args.seed,
+                      gamma=args.gamma, blocks_per_seq=args.blocks_per_seq if kind.blocks else 0, seed=args.seed,
                       warmup=args.warmup, max_prompt_tokens=args.max_prompt_tokens, layer_drop=args.layer_drop,
                       freeze_below=args.freeze_below, distill=args.distill)
     run_dir = Path(args.run_dir or Path(args.out).with_name(Path(args.out).name + ".run"))
@@ -116,12 +120,13 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def cmd_prune(args: argparse.Namespace) -> None:
-    from ..data import atomic_write_json, load_dataset
-    from ..drafter_files import load_drafter, save_drafter
-    from ..methods import default_drafter
-    from ..plots import plot_pruning
-    from ..prompts import CALIBRATION_SETS
-    from ..prune import calibration_data, healer, heldout_taus, prune, pruning_report
+    from ..corpus.data import load_dataset
+    from ..atomic import atomic_write_json
+    from ..drafters.files import load_drafter, save_drafter
+    from ..methods.catalog import default_drafter
+    from ..bench.plots import plot_pruning
+    from ..corpus.prompts import CALIBRATION_SETS
+    from ..training.prune import calibration_data, healer, heldout_taus, prune, pruning_report
 
     sets = [s.strip() for s in args.sets.split(",") if s.strip()]
     bad = [s for s in sets if s not in CALIBRATION_SETS]
@@ -163,3 +168,104 @@ def cmd_prune(args: argparse.Namespace) -> None:
     print(f"{args.out}: {report['layers_before']} -> {report['layers_after']} layers, mean calibration tau "
           f"{report['tau_before']['mean']} -> {report['tau_after']['mean']} ({report['kept']:.1%} kept); "
           f"{state['stopped']}; wrote {args.report}")
+
+
+def _data(sub) -> None:
+    p = sub.add_parser("data", help="generate self-distillation data from the target (resumable)")
+    p.add_argument("--target", default=None)
+    p.add_argument("--out", default="data/distill")
+    p.add_argument("--prompts", default="mix", choices=("mix", "code", "chat"),
+                   help="mix: GSM8K/MATH train and ShareGPT; code: code requests and stdlib function stubs; "
+                        "chat: other ShareGPT requests that neither uses")
+    p.add_argument("--max-tokens", type=int, default=1_000_000, help="stop once this many response tokens exist")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--shard-size", type=int, default=128)
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(func=cmd_data)
+
+
+def _datastore(sub) -> None:
+    p = sub.add_parser("datastore", help="index distillation data for retrieval by d3d-tree and lookup-tree")
+    p.add_argument("--data", default="data/distill")
+    p.add_argument("--out", required=True, help="datastore file to write (.npz)")
+    p.add_argument("--max-shards", type=int, default=None, help="the first N data shards only")
+    p.add_argument("--extra-data", action="append", metavar="DIR",
+                   help="another dataset (e.g. `d3d data --prompts code`) indexed whole after --data; repeatable")
+    p.add_argument("--target", default=None, help="the target the data came from (checks its vocabulary)")
+    p.set_defaults(func=cmd_datastore)
+
+
+def _train(sub) -> None:
+    p = sub.add_parser("train", help="train a D3D drafter on distillation data (resumable; accelerate-ready)")
+    p.add_argument("--target", default=None)
+    p.add_argument("--data", default="data/distill")
+    p.add_argument("--out", required=True, help="drafter folder to write (drafter.safetensors + drafter.json)")
+    p.add_argument("--run-dir", default=None, help="checkpoints and history (default: OUT.run); reused to resume")
+    p.add_argument("--layers", default=None,
+                   help="target layers that initialise the drafter stack (default 26,27,28,29; "
+                        "with --init-model: layers of that model, default all)")
+    p.add_argument("--init", default=None, help="fine-tune this drafter checkpoint instead of building a new one")
+    p.add_argument("--init-model", nargs="?", const="target", default=None, metavar="PATH_OR_NAME",
+                   help="convert a whole pretrained causal LM with the target's tokenizer (a HF folder, a .gguf, "
+                        "or `target`, the default when the flag has no value) into a token-shift block-diffusion "
+                        "drafter; made from the target, layers kept frozen are stored as references (delta)")
+    p.add_argument("--freeze-below", type=int, default=0, help="keep drafter stack layers 0..N-1 frozen")
+    p.add_argument("--heldout", type=int, default=64, metavar="N",
+                   help="the last N examples of --data are held out: evaluated before and after, never trained on")
+    p.add_argument("--lora-rank", type=int, default=0, metavar="R",
+                   help="with --init-model NAME|PATH: train rank-R adapters (and the mask embedding) instead of "
+                        "whole layers; the drafter stores only those, over that model's weights (default 0: off)")
+    p.add_argument("--max-file-mb", type=float, default=None, help="split the weights into files of at most this size")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="LM head rows (most frequent tokens); 0 = all (default 8192; with --init-model 0)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--max-prompt-tokens", type=int, default=64, help="prompt tail kept as training context")
+    p.add_argument("--kind", choices=tuple(KINDS), default=D3D.name,
+                   help="; ".join(f"{k.name}: {k.help}, for --method {', '.join(k.methods)}" for k in KINDS.values()))
+    p.add_argument("--target-layers", default=None, help="dflash: target layers to read (default: 4 spread out)")
+    p.add_argument("--ar-weight", type=float, default=None,
+                   help="lambda of the auxiliary AR loss (default: " + ", ".join(f"{k.name} {k.ar_weight:g}" for k in KINDS.values()) + ")")
+    p.add_argument("--gamma", type=float, default=7.0, help="slot k loss weight exp(-k / gamma)")
+    p.add_argument("--blocks-per-seq", type=int, default=12)
+    p.add_argument("--distill", type=float, default=0.0, metavar="W",
+                   help="also learn the target's soft labels (its next-token law, computed per batch), "
+                        "weighted W against its greedy tokens' 1 - W (0..1; costs a target forward per step)")
+    p.add_argument("--layer-drop", type=float, default=0.0,
+                   help="LayerDrop: skip each drafter layer with this probability per step (makes it prunable)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-shards", type=int, default=None, help="train on the first N data shards only")
+    p.add_argument("--extra-data", action="append", metavar="DIR",
+                   help="another dataset whose every example joins training (held-out stays --data's); repeatable")
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(func=cmd_train)
+
+
+def _prune(sub) -> None:
+    p = sub.add_parser("prune", help="remove drafter layers one at a time by their effect on tau (resumable)")
+    p.add_argument("--drafter", default=None, help="drafter to prune (default: the one shipped for the target)")
+    p.add_argument("--out", required=True, help="folder for the pruned drafter")
+    p.add_argument("--run-dir", default=None, help="calibration cache and resumable state (default: OUT.run)")
+    p.add_argument("--report", default="results/prune/report.json", help="report JSON (plot beside it)")
+    p.add_argument("--sets", default="math,code,chat", help="calibration sets (never benchmark test prompts)")
+    p.add_argument("--prompts-per-set", type=int, default=6)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--keep-ratio", type=float, default=0.99, help="stop before mean tau drops below this share")
+    p.add_argument("--min-layers", type=int, default=1, help="layer budget: never go below this many layers")
+    p.add_argument("--heal-steps", type=int, default=0, help="fine-tune steps after each removal (0 = none)")
+    p.add_argument("--heal-lr", type=float, default=2e-4)
+    p.add_argument("--data", default="data/distill", help="training data for healing")
+    p.add_argument("--max-shards", type=int, default=None, help="heal on the first N data shards only")
+    p.add_argument("--heldout", default="gsm8k,math500,humaneval,mt-bench,sharegpt",
+                    help="benchmarks on which to check tau before/after ('' = skip)")
+    p.add_argument("--heldout-limit", type=int, default=5)
+    p.add_argument("--target", default=None)
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(func=cmd_prune)
+
+
+PARSERS = (_data, _datastore, _train, _prune)

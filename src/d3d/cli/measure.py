@@ -14,10 +14,10 @@ from .checks import named_paths, open_target
 def _estimate_drafter(model, tok, target: str | None, path: str, quantize: str | None, save: str | None):
     """The drafter a --drafters path names (WHOLE_TARGET: the untrained whole-target drafter, written to
     --save if given), with its quantization."""
-    from ..checkpoints import DEFAULT_TARGET
-    from ..drafter_files import load_drafter, save_drafter
-    from ..estimate import WHOLE_TARGET, whole_target_drafter
-    from ..quantize import apply_quantize
+    from ..runtime.checkpoints import DEFAULT_TARGET
+    from ..drafters.files import load_drafter, save_drafter
+    from ..training.estimate import WHOLE_TARGET, whole_target_drafter
+    from ..runtime.quantize import apply_quantize
 
     if path == WHOLE_TARGET:
         drafter = whole_target_drafter(model, tok, target or DEFAULT_TARGET)
@@ -29,8 +29,8 @@ def _estimate_drafter(model, tok, target: str | None, path: str, quantize: str |
 
 
 def _estimate_row(drafter, path: str) -> dict:
-    from ..drafter_files import weights_fingerprint
-    from ..estimate import WHOLE_TARGET
+    from ..drafters.files import weights_fingerprint
+    from ..training.estimate import WHOLE_TARGET
 
     training = drafter.cfg.training or {}
     return {"path": path, "weights": None if path == WHOLE_TARGET else weights_fingerprint(path),
@@ -50,10 +50,10 @@ def _merged(out: Path, header: dict) -> dict:
 
 
 def cmd_estimate(args: argparse.Namespace) -> None:
-    from ..bench import machine_info
-    from ..data import atomic_write_json
-    from ..estimate import WHOLE_TARGET, benchmark_continuations, estimate_tau
-    from ..prompts import canonical_benchmark
+    from ..bench.harness import machine_info
+    from ..atomic import atomic_write_json
+    from ..training.estimate import WHOLE_TARGET, benchmark_continuations, estimate_tau
+    from ..corpus.prompts import canonical_benchmark
 
     named = named_paths(args.drafters, "--drafters", special=(WHOLE_TARGET,))
     benchmarks = list(dict.fromkeys(canonical_benchmark(b.strip()) for b in args.benchmarks.split(",") if b.strip()))
@@ -83,18 +83,32 @@ def cmd_estimate(args: argparse.Namespace) -> None:
 
 
 def cmd_loadtest(args: argparse.Namespace) -> None:
-    from ..server.loadtest import LoadTest, run_load_test
+    import sys
+
+    from ..server.loadtest import PHASES, LoadTest, run_load_test, verdict_lines
 
     if args.clients < 1 or args.duration <= 0 or args.max_tokens < 1:
         raise D3DError("--clients and --max-tokens must be >= 1 and --duration > 0")
+    phases = tuple(p.strip() for p in args.phases.split(",") if p.strip())
+    unknown = [p for p in phases if p not in PHASES]
+    if unknown or not phases:
+        raise D3DError(f"--phases: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(PHASES)}")
+    if not args.request_timeout > 0 or args.leave_after <= 0 or args.hold <= 0:
+        raise D3DError("--request-timeout, --leave-after and --hold must be > 0")
+    if args.long_prompt_tokens < 1 or args.connections < 1:
+        raise D3DError("--long-prompt-tokens and --connections must be >= 1")
     cfg = LoadTest(url=args.url, api_key=args.api_key, clients=args.clients, duration=args.duration,
                    max_tokens=args.max_tokens, method=args.method, target=args.target, threads=args.threads or 1,
-                   max_queue=args.max_queue, seed=args.seed)
+                   max_queue=args.max_queue, seed=args.seed, request_timeout=args.request_timeout,
+                   phases=tuple(p for p in PHASES if p in phases), long_prompt_tokens=args.long_prompt_tokens,
+                   leave_after=args.leave_after, connections=args.connections, hold_s=args.hold,
+                   server_log=args.server_log)
     out = {"command": "d3d " + shlex.join(args.argv), **run_load_test(cfg)}
     text = json.dumps(out, indent=1)
     print(text)
+    print("\n".join(verdict_lines(out)), file=sys.stderr)
     if args.out:
         Path(args.out).write_text(text + "\n")
-    if out["server_5xx"] or not out["greedy_all_equal_ar"]:
-        raise D3DError(f"load test failed: {out['server_5xx']} server errors (5xx), greedy answers "
-                       f"{'all' if out['greedy_all_equal_ar'] else 'not all'} equal to plain decoding's")
+    if not out["all_held"]:
+        failed = [name for name, ok in out["held"].items() if ok is False]
+        raise D3DError(f"load test failed: {', '.join(failed)} (see the summary)")

@@ -1,11 +1,11 @@
 """The `d3d` argument parser. It imports neither torch nor a method module (`d3d --help` stays fast): the
-method names and drafter options come from d3d.registry, the commands import what they need when run."""
+method names and drafter options come from d3d.methods.registry, the commands import what they need when run."""
 from __future__ import annotations
 
 import argparse
 
-from ..registry import drafter_options, method_names
-from .drafters import cmd_data, cmd_datastore, cmd_prune, cmd_train
+from ..methods.registry import drafter_options, method_names
+from .drafters import PARSERS as DRAFTER_PARSERS
 from .measure import cmd_estimate, cmd_loadtest
 from .run import QUICK_LIMIT, QUICK_NEW_TOKENS, cmd_bench, cmd_demo, cmd_generate, cmd_report, cmd_serve
 
@@ -43,7 +43,7 @@ def _add_target_args(p: argparse.ArgumentParser, device: bool = True) -> None:
 def _add_method_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-budget", type=int, default=None,
                    help="d3d-tree, lookup-tree, suffix: a fixed number of tokens per verified tree (default: fitted to this device's "
-                        "measured cost of a target forward vs its width, see d3d.tree.auto_tree)")
+                        "measured cost of a target forward vs its width, see d3d.decoding.tree.auto_tree)")
     p.add_argument("--ar-draft-k", type=int, default=None,
                    help="ar-draft: a fixed draft length (default: adaptive, starting at 4)")
     p.add_argument("--draft-k", type=int, default=None,
@@ -126,105 +126,6 @@ def _demo(sub) -> None:
     p.set_defaults(func=cmd_demo)
 
 
-def _data(sub) -> None:
-    p = sub.add_parser("data", help="generate self-distillation data from the target (resumable)")
-    p.add_argument("--target", default=None)
-    p.add_argument("--out", default="data/distill")
-    p.add_argument("--prompts", default="mix", choices=("mix", "code", "chat"),
-                   help="mix: GSM8K/MATH train and ShareGPT; code: code requests and stdlib function stubs; "
-                        "chat: other ShareGPT requests that neither uses")
-    p.add_argument("--max-tokens", type=int, default=1_000_000, help="stop once this many response tokens exist")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--shard-size", type=int, default=128)
-    p.add_argument("--threads", type=int, default=None)
-    p.set_defaults(func=cmd_data)
-
-
-def _datastore(sub) -> None:
-    p = sub.add_parser("datastore", help="index distillation data for retrieval by d3d-tree and lookup-tree")
-    p.add_argument("--data", default="data/distill")
-    p.add_argument("--out", required=True, help="datastore file to write (.npz)")
-    p.add_argument("--max-shards", type=int, default=None, help="the first N data shards only")
-    p.add_argument("--extra-data", action="append", metavar="DIR",
-                   help="another dataset (e.g. `d3d data --prompts code`) indexed whole after --data; repeatable")
-    p.add_argument("--target", default=None, help="the target the data came from (checks its vocabulary)")
-    p.set_defaults(func=cmd_datastore)
-
-
-def _train(sub) -> None:
-    p = sub.add_parser("train", help="train a D3D drafter on distillation data (resumable; accelerate-ready)")
-    p.add_argument("--target", default=None)
-    p.add_argument("--data", default="data/distill")
-    p.add_argument("--out", required=True, help="drafter folder to write (drafter.safetensors + drafter.json)")
-    p.add_argument("--run-dir", default=None, help="checkpoints and history (default: OUT.run); reused to resume")
-    p.add_argument("--layers", default=None,
-                   help="target layers that initialise the drafter stack (default 26,27,28,29; "
-                        "with --init-model: layers of that model, default all)")
-    p.add_argument("--init", default=None, help="fine-tune this drafter checkpoint instead of building a new one")
-    p.add_argument("--init-model", nargs="?", const="target", default=None, metavar="PATH_OR_NAME",
-                   help="convert a whole pretrained causal LM with the target's tokenizer (a HF folder, a .gguf, "
-                        "or `target`, the default when the flag has no value) into a token-shift block-diffusion "
-                        "drafter; made from the target, layers kept frozen are stored as references (delta)")
-    p.add_argument("--freeze-below", type=int, default=0, help="keep drafter stack layers 0..N-1 frozen")
-    p.add_argument("--heldout", type=int, default=64, metavar="N",
-                   help="the last N examples of --data are held out: evaluated before and after, never trained on")
-    p.add_argument("--lora-rank", type=int, default=0, metavar="R",
-                   help="with --init-model NAME|PATH: train rank-R adapters (and the mask embedding) instead of "
-                        "whole layers; the drafter stores only those, over that model's weights (default 0: off)")
-    p.add_argument("--max-file-mb", type=float, default=None, help="split the weights into files of at most this size")
-    p.add_argument("--draft-vocab", type=int, default=None,
-                   help="LM head rows (most frequent tokens); 0 = all (default 8192; with --init-model 0)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--max-prompt-tokens", type=int, default=64, help="prompt tail kept as training context")
-    p.add_argument("--kind", choices=("d3d", "dflash", "ar"), default="d3d",
-                   help="d3d: standalone block diffusion; dflash: conditioned on target hidden states "
-                        "(baseline); ar: causal drafter for ar-draft (baseline)")
-    p.add_argument("--target-layers", default=None, help="dflash: target layers to read (default: 4 spread out)")
-    p.add_argument("--ar-weight", type=float, default=None,
-                   help="lambda of the auxiliary AR loss (default: d3d 0.5, dflash 0, ar 1)")
-    p.add_argument("--gamma", type=float, default=7.0, help="slot k loss weight exp(-k / gamma)")
-    p.add_argument("--blocks-per-seq", type=int, default=12)
-    p.add_argument("--distill", type=float, default=0.0, metavar="W",
-                   help="also learn the target's soft labels (its next-token law, computed per batch), "
-                        "weighted W against its greedy tokens' 1 - W (0..1; costs a target forward per step)")
-    p.add_argument("--layer-drop", type=float, default=0.0,
-                   help="LayerDrop: skip each drafter layer with this probability per step (makes it prunable)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-shards", type=int, default=None, help="train on the first N data shards only")
-    p.add_argument("--extra-data", action="append", metavar="DIR",
-                   help="another dataset whose every example joins training (held-out stays --data's); repeatable")
-    p.add_argument("--threads", type=int, default=None)
-    p.set_defaults(func=cmd_train)
-
-
-def _prune(sub) -> None:
-    p = sub.add_parser("prune", help="remove drafter layers one at a time by their effect on tau (resumable)")
-    p.add_argument("--drafter", default=None, help="drafter to prune (default: the one shipped for the target)")
-    p.add_argument("--out", required=True, help="folder for the pruned drafter")
-    p.add_argument("--run-dir", default=None, help="calibration cache and resumable state (default: OUT.run)")
-    p.add_argument("--report", default="results/prune/report.json", help="report JSON (plot beside it)")
-    p.add_argument("--sets", default="math,code,chat", help="calibration sets (never benchmark test prompts)")
-    p.add_argument("--prompts-per-set", type=int, default=6)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--keep-ratio", type=float, default=0.99, help="stop before mean tau drops below this share")
-    p.add_argument("--min-layers", type=int, default=1, help="layer budget: never go below this many layers")
-    p.add_argument("--heal-steps", type=int, default=0, help="fine-tune steps after each removal (0 = none)")
-    p.add_argument("--heal-lr", type=float, default=2e-4)
-    p.add_argument("--data", default="data/distill", help="training data for healing")
-    p.add_argument("--max-shards", type=int, default=None, help="heal on the first N data shards only")
-    p.add_argument("--heldout", default="gsm8k,math500,humaneval,mt-bench,sharegpt",
-                    help="benchmarks on which to check tau before/after ('' = skip)")
-    p.add_argument("--heldout-limit", type=int, default=5)
-    p.add_argument("--target", default=None)
-    p.add_argument("--threads", type=int, default=None)
-    p.set_defaults(func=cmd_prune)
-
-
 def _serve(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with streaming, a live web page and /metrics",
                        description="OpenAI-compatible HTTP server with streaming, a live web page and /metrics. "
@@ -236,7 +137,7 @@ def _serve(sub) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 = any free port")
     p.add_argument("--method", default=None,
-                   help=f"one of {', '.join(method_names())} (default: the fastest measured for the target, d3d.methods.best_method)")
+                   help=f"one of {', '.join(method_names())} (default: the fastest measured for the target, d3d.methods.catalog.best_method)")
     p.add_argument("--max-queue", type=int, default=16,
                    help="requests that may wait behind the running one (>= 1; beyond: 503)")
     p.add_argument("--api-key", default=None,
@@ -283,8 +184,12 @@ def _estimate(sub) -> None:
 
 
 def _loadtest(sub) -> None:
-    p = sub.add_parser("loadtest", help="concurrent valid, faulty and cancelled requests against d3d serve; "
-                                         "checks greedy answers against plain decoding")
+    # d3d.server.loadtest_base.PHASES, written out: importing it would load the server at every command
+    phases = "random, cases, long_prompt, connections"
+    p = sub.add_parser("loadtest", help="concurrent valid, faulty and cancelled requests against d3d serve, then "
+                                         "abuse (foreign Host, slow bodies, a long prompt whose client leaves, "
+                                         "many open connections); checks greedy answers against plain decoding "
+                                         "and each bar of holding under abuse")
     p.add_argument("--url", default=None, help="an already running server (default: start one)")
     p.add_argument("--api-key", default=None, help="the key of the server given with --url")
     p.add_argument("--clients", type=int, default=4)
@@ -296,12 +201,26 @@ def _loadtest(sub) -> None:
     p.add_argument("--out", default=None, help="write the summary JSON here")
     p.add_argument("--target", default=None)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--request-timeout", type=float, default=10, metavar="SECONDS",
+                   help="the started server's --request-timeout (default 10)")
+    p.add_argument("--phases", default=phases.replace(" ", ""),
+                   help=f"comma-separated, run in this order: {phases} (default: all)")
+    p.add_argument("--long-prompt-tokens", type=int, default=4000, metavar="N",
+                   help="long_prompt: prompt tokens (real prompts repeated; default 4000)")
+    p.add_argument("--leave-after", type=float, default=2, metavar="SECONDS",
+                   help="long_prompt: the client hangs up this long after sending (default 2)")
+    p.add_argument("--connections", type=int, default=200, metavar="N",
+                   help="connections: slow or idle connections held open (default 200)")
+    p.add_argument("--hold", type=float, default=30, metavar="SECONDS",
+                   help="connections: how long they are held (default 30)")
+    p.add_argument("--server-log", default=None, metavar="PATH",
+                   help="keep the started server's log here (default: a temporary file; scanned either way)")
     p.set_defaults(func=cmd_loadtest)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="d3d", description="Asynchronous speculative decoding with standalone diffusion drafters.")
     sub = p.add_subparsers(dest="command", required=True)
-    for add in (_generate, _bench, _report, _demo, _data, _datastore, _train, _prune, _serve, _estimate, _loadtest):
+    for add in (_generate, _bench, _report, _demo, *DRAFTER_PARSERS, _serve, _estimate, _loadtest):
         add(sub)
     return p

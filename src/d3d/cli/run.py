@@ -9,15 +9,15 @@ import sys
 from pathlib import Path
 
 from ..errors import D3DError
-from ..registry import check_method_options, drafter_options, get
+from ..methods.registry import check_method_options, drafter_options, get
 from .checks import (check_budget, check_device, check_drafter, dest, drafter_for, loading, method_options,
                      named_paths, num_threads, open_target, output_folder, sampling)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from ..engine import check_stop
-    from ..methods import check_quantize, check_quantize_drafter, make_runner, parse_methods
-    from ..prompts import encode_prompt
+    from ..decoding.engine import check_stop
+    from ..methods.catalog import check_quantize, check_quantize_drafter, make_runner, parse_methods
+    from ..corpus.prompts import encode_prompt
 
     check_stop(args.stop)
     if not args.prompt.strip():
@@ -50,14 +50,14 @@ def cmd_generate(args: argparse.Namespace) -> None:
     res = runner(encode_prompt(tok, args.prompt, args.raw), params=params, max_new_tokens=args.max_new_tokens,
                  stop=args.stop, **extra)
     if args.trace:
-        from ..plots import plot_timeline
-        from ..trace import write_chrome_trace
+        from ..bench.plots import plot_timeline
+        from ..decoding.trace import write_chrome_trace
 
         write_chrome_trace(extra["trace"], args.trace)
         plot_timeline(extra["trace"], Path(args.trace).with_suffix(".png"))
         print(f"wrote {args.trace} and {Path(args.trace).with_suffix('.png')}", file=sys.stderr)
     if args.json:
-        from ..kernels import runtime_info
+        from ..runtime.kernels import runtime_info
 
         ran_on = runtime_info(args.quantize is not None) if args.device == "cpu" else {}
         print(json.dumps({"method": method, **res.to_json(), **ran_on}))
@@ -71,8 +71,8 @@ QUICK_LIMIT, QUICK_NEW_TOKENS = 1, 16  # d3d bench --quick (CI smoke runs)
 
 
 def _bench_prompts(args: argparse.Namespace) -> dict[str, list]:
-    from ..bench import read_prompts_file
-    from ..prompts import BENCHMARKS, benchmark_prompts, canonical_benchmark
+    from ..bench.harness import read_prompts_file
+    from ..corpus.prompts import BENCHMARKS, benchmark_prompts, canonical_benchmark
 
     if args.limit is not None and args.limit <= 0:
         raise D3DError(f"--limit must be > 0 (got {args.limit})")
@@ -91,7 +91,7 @@ def _bench_runs(methods: list[str], named: dict[str, str], stores: dict[str, str
     method that would take its checkpoint from --drafter (d3d, d3d-async, d3d-tree) runs once per named
     drafter, as METHOD@NAME; with --datastores NAME=PATH, every method that retrieves runs once per named
     datastore, as METHOD@NAME (METHOD@DRAFTER@DATASTORE with both); the others run once."""
-    from ..methods import drafter_path
+    from ..methods.catalog import drafter_path
 
     runs: dict[str, tuple[str, Path | None, dict]] = {}
     for m in methods:
@@ -108,10 +108,10 @@ def _bench_runs(methods: list[str], named: dict[str, str], stores: dict[str, str
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from ..bench import format_table, machine_info, run_bench
-    from ..data import atomic_write_json
-    from ..drafter_files import weights_fingerprint
-    from ..methods import check_quantize, check_quantize_drafter, make_runner, parse_methods
+    from ..bench.harness import format_table, machine_info, run_bench
+    from ..atomic import atomic_write_json
+    from ..drafters.files import weights_fingerprint
+    from ..methods.catalog import check_quantize, check_quantize_drafter, make_runner, parse_methods
 
     methods = parse_methods(args.methods)
     methods = ["ar"] + [m for m in dict.fromkeys(methods) if m != "ar"]
@@ -157,7 +157,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     settings["method_settings"] = {name: runner.settings for name, runner in runners.items()}
     curve = None
     if args.cost_curve:
-        from ..treecost import width_cost_curve
+        from ..decoding.treecost import width_cost_curve
 
         curve = {str(w): round(t, 5) for w, t in width_cost_curve(model).items()}
         print("target forward cost vs width (tokens fed after 256 cached: seconds, x one token): " + ", ".join(
@@ -176,7 +176,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> None:
-    from ..report import write_report
+    from ..bench.report import write_report
 
     out_dir = args.out_dir or str(Path(args.results[0]).parent)
     md, files = write_report(args.results, out_dir)
@@ -185,8 +185,8 @@ def cmd_report(args: argparse.Namespace) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    from ..demo import run_demo
-    from ..methods import best_method
+    from ..bench.demo import run_demo
+    from ..methods.catalog import best_method
 
     check_budget(args.max_new_tokens, 16)
     run_demo(*open_target(args.target), args.max_new_tokens, best_method(args.target))
@@ -194,7 +194,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     from ..api import load
-    from ..methods import best_method
+    from ..methods.catalog import best_method
     from ..server import check_address, serve
     from ..server.security import check_api_key
 

@@ -1,8 +1,9 @@
 """`d3d serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) around one Generator.
 
 Modules: requests (parsing bodies into GenRequest, OpenAI-style errors), streaming (text deltas and
-logprobs), worker (the generation thread and its queue), metrics (Prometheus), security (the Guard
-middleware), app (endpoints and start-up).
+logprobs), worker (the generation thread and its queue) and events (what it reports), completions (the
+completion endpoints: body, queue, answer), shaping (OpenAI bodies and SSE chunks), metrics (Prometheus),
+security (the Guard middleware), app (routes and start-up).
 
 Endpoints: GET / (a web page showing drafting live), GET /health, GET /v1/models,
 POST /v1/chat/completions, POST /v1/completions (plain JSON or server-sent events), GET /metrics
@@ -14,7 +15,7 @@ Security (the Guard middleware, before any endpoint runs): the Host header must 
 `Authorization: Bearer KEY` (or HTTP Basic with KEY as the password, for the web page); a request with
 an `Origin` header must come from the server's own origin (or one given with --allow-origin); a POST
 must be `Content-Type: application/json`. Bodies are read in pieces and refused (413) past 4 MB.
-Before the queue (app.server_config, app.read_body): a connection limit, a deadline for headers (the
+Before the queue (app.server_config, completions.read_body): a connection limit, a deadline for headers (the
 connection is closed) and for the body (408), bounded body bytes in flight and parse backlog (503), a
 prompt-token cap and a character cap checked before tokenizing (400); chat content spelling a special
 token is refused (400).

@@ -1,96 +1,24 @@
-"""The d3d serve app: endpoints, SSE streaming, start-up (see the package docstring)."""
+"""The d3d serve app: its routes (the completions themselves: d3d.server.completions) and start-up
+(see the package docstring)."""
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
 import time
-import uuid
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
 from ..api import Generator
 from ..errors import D3DError
+from .completions import MAX_BYTES_IN_FLIGHT, MAX_CONNECTIONS, READ_TIMEOUT, Completions
 from .metrics import Metrics
-from .requests import FINISH, MAX_BODY_BYTES, STATIC, ApiError, GenRequest, decode_body, parse_request
+from .requests import STATIC, ApiError
 from .security import Guard, check_api_key
-from .worker import PREFILL_CHUNK, Job, QueueFull, Worker
-
+from .worker import PREFILL_CHUNK, Worker
 
 log = logging.getLogger("d3d.server")
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-READ_TIMEOUT = 10.0            # seconds to send a request's headers, and again its body (then 408)
-MAX_CONNECTIONS = 512          # open connections (uvicorn's limit_concurrency; beyond: 503)
-MAX_BYTES_IN_FLIGHT = 64 << 20  # request body bytes held by all requests being read or parsed (beyond: 503)
-
-
-class ByteBudget:
-    """Body bytes held by requests being read or parsed, all together (event-loop thread only)."""
-
-    def __init__(self, limit: int):
-        self.limit, self.used = limit, 0
-
-    def take(self, n: int) -> None:
-        if self.used + n > self.limit:
-            raise ApiError(503, f"server busy: {self.limit} bytes of request bodies already in flight; retry later",
-                           code="server_busy", type_="server_error")
-        self.used += n
-
-    def give(self, n: int) -> None:
-        self.used -= n
-
-
-async def read_body(request: Request, limit: int = MAX_BODY_BYTES, timeout: float | None = READ_TIMEOUT,
-                    budget: ByteBudget | None = None) -> bytes:
-    """The request body, read piece by piece: 413 as soon as it is known to exceed `limit` (from
-    Content-Length before reading anything, else while reading); 408 when it takes over `timeout`
-    seconds (a body trickled in); 503 when `budget` has no room for it. A client that leaves mid-body
-    is one log line and a 499 nobody reads. The bytes stay taken from `budget` (the caller gives them back)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and (not declared.isdigit() or int(declared) > limit):
-        raise ApiError(413, f"request body over {limit} bytes", code="body_too_large")
-    parts, size = [], 0
-    try:
-        async with asyncio.timeout(timeout):
-            async for part in request.stream():
-                if size + len(part) > limit:
-                    raise ApiError(413, f"request body over {limit} bytes", code="body_too_large")
-                if budget is not None:
-                    budget.take(len(part))
-                size += len(part)
-                parts.append(part)
-    except TimeoutError:
-        if budget is not None:
-            budget.give(size)
-        client = request.client.host if request.client else "?"
-        log.info("request body from %s not received within %g s: 408", client, timeout)
-        raise ApiError(408, f"request body not received within {timeout:g} s", code="timeout") from None
-    except ClientDisconnect:
-        if budget is not None:
-            budget.give(size)
-        client = request.client.host if request.client else "?"
-        log.info("client %s disconnected while sending its request body", client)
-        raise ApiError(499, "client disconnected", code="cancelled", type_="server_error") from None
-    except BaseException:
-        if budget is not None:
-            budget.give(size)
-        raise
-    return b"".join(parts)
 
 
 def create_app(gen: Generator, max_queue: int = 16, api_key: str | None = None,
@@ -113,16 +41,14 @@ def create_app(gen: Generator, max_queue: int = 16, api_key: str | None = None,
     api_key = check_api_key(api_key)
     metrics = Metrics()
     worker = Worker(gen, max_queue, metrics, prefill_chunk)
-    parser = ThreadPoolExecutor(1, thread_name_prefix="d3d-parse")
-    budget = ByteBudget(max_bytes_in_flight)
-    parse_backlog = max_queue + 4  # requests read and waiting for (or in) the parser thread; beyond: 503
-    parsing = 0
+    completions = Completions(gen, worker, metrics, request_timeout, max_prompt_tokens, read_timeout,
+                              max_bytes_in_flight)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
         worker.stop()
-        parser.shutdown(wait=False, cancel_futures=True)
+        completions.close()
 
     app = FastAPI(title="d3d", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.add_middleware(Guard, metrics=metrics, api_key=api_key, allow_origins=list(allow_origins),
@@ -164,169 +90,13 @@ def create_app(gen: Generator, max_queue: int = 16, api_key: str | None = None,
     async def prometheus():
         return PlainTextResponse(metrics.render(gen, worker), media_type="text/plain; version=0.0.4")
 
-    def parse(raw: bytes, chat: bool) -> GenRequest:
-        return parse_request(decode_body(raw), gen, chat, max_prompt_tokens)
-
-    async def start(request: Request, chat: bool) -> Job:
-        """Read, parse (in the parser thread) and queue a request; ApiError on any problem."""
-        nonlocal parsing
-        deadline = None if request_timeout is None else time.monotonic() + request_timeout
-        raw = await read_body(request, timeout=read_timeout, budget=budget)
-        try:
-            if parsing >= parse_backlog:
-                raise ApiError(503, f"server busy: {parsing} requests are already being parsed; retry later",
-                               code="server_busy", type_="server_error")
-            parsing += 1
-            try:
-                req = await asyncio.get_running_loop().run_in_executor(parser, parse, raw, chat)
-            finally:
-                parsing -= 1
-        finally:
-            budget.give(len(raw))
-        del raw
-        if not worker.alive:
-            raise ApiError(503, "the generation worker is not running", code="worker_dead")
-        job = Job(req, asyncio.get_running_loop(), deadline)
-        try:
-            worker.submit(job)
-        except QueueFull:
-            raise ApiError(503, f"server busy: {worker.max_queue} requests are already waiting (--max-queue "
-                                f"{worker.max_queue}); retry later", code="queue_full", type_="server_error") from None
-        return job
-
-    async def watch_disconnect(request: Request, job: Job) -> None:
-        """Wait for the client to go away (the body is read by now): cancel its job at once."""
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        worker.cancel(job)
-        job.events.put_nowait(("disconnected",))
-
-    async def next_event(job: Job) -> tuple:
-        """The job's next event; ("expired",) if its deadline passes while it is still queued."""
-        while True:
-            left = None if job.deadline is None or job.state != "queued" else job.deadline - time.monotonic()
-            try:
-                return await asyncio.wait_for(job.events.get(), timeout=None if left is None else max(0.0, left))
-            except asyncio.TimeoutError:
-                if worker.expire(job):
-                    return ("expired",)
-
-    def failure(ev: tuple) -> ApiError | None:
-        if ev[0] in ("cancelled", "disconnected"):
-            return ApiError(499, "client disconnected", code="cancelled", type_="server_error")
-        if ev[0] == "expired":
-            return ApiError(504, f"request timed out in the queue (--request-timeout {request_timeout:g} s)",
-                            code="timeout", type_="server_error")
-        return ev[1] if ev[0] == "error" else None
-
-    async def completion(request: Request, chat: bool):
-        endpoint = request.url.path
-        watcher = None
-        try:
-            job = await start(request, chat)
-            watcher = asyncio.create_task(watch_disconnect(request, job))
-            first = await next_event(job)
-            err = failure(first)
-            if err is not None:
-                raise err
-        except ApiError as e:
-            if watcher is not None:
-                watcher.cancel()
-            metrics.request(endpoint, e.status)
-            return e.response()
-        metrics.request(endpoint, 200)
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        if job.req.stream:
-            return StreamingResponse(_stream(job, first, watcher, rid, chat), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _plain(job, first, watcher, rid, chat)
-
-    async def _plain(job: Job, ev: tuple, watcher: asyncio.Task, rid: str, chat: bool):
-        try:
-            while ev[0] == "round":
-                ev = await next_event(job)
-            err = failure(ev)
-            if err is not None:
-                return err.response()
-        finally:
-            watcher.cancel()
-            if job.state in ("queued", "running"):
-                worker.cancel(job)
-        _, res, _, lps = ev
-        finish = FINISH.get(res.finish_reason, res.finish_reason)
-        choice = {"index": 0, "logprobs": lps, "finish_reason": finish}
-        choice |= {"message": {"role": "assistant", "content": res.text}} if chat else {"text": res.text}
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": gen.name, "choices": [choice], "usage": _usage(len(job.req.prompt_ids), res.new_tokens),
-                "d3d": {"method": gen.method, "tau": round(res.tau, 4), "tokens_per_s": round(res.tokens_per_s, 2),
-                        "rounds": res.rounds, "acceptance_lengths": res.acceptance_lengths,
-                        "finish_reason": res.finish_reason}}
-
-    async def _stream(job: Job, ev: tuple, watcher: asyncio.Task, rid: str, chat: bool):
-        created = int(time.time())
-        base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                "model": gen.name}
-
-        def chunk(text: str | None, finish: str | None = None, role: bool = False, logprobs=None, **extra) -> dict:
-            if chat:
-                delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-                c = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            else:
-                c = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
-            return base | {"choices": [c]} | extra
-
-        ntok, rounds, round_tokens, t_first = 0, 0, 0, None
-        try:
-            if chat:
-                yield _sse(chunk(None, role=True))
-            while True:
-                if ev[0] == "round":
-                    _, ids, accepted, t, parts, lps, branch = ev
-                    ntok += len(ids)
-                    if t_first is None:
-                        t_first = t
-                    else:
-                        rounds, round_tokens = rounds + 1, round_tokens + accepted + 1
-                    segments = [{"text": s, "draft": d} for s, d in parts if s]
-                    info = {"accepted": accepted, "tokens": ids, "segments": segments, "new_tokens": ntok,
-                            "rounds": rounds,
-                            "tau": round(round_tokens / rounds, 4) if rounds else 1.0,
-                            "tokens_per_s": round((ntok - 1) / (t - t_first), 2) if t > t_first else 0.0,
-                            "prefill": rounds == 0}
-                    if branch is not None:  # d3d-tree, lookup-tree: which proposer's branch the accepted path came from
-                        info["branch"] = branch
-                    yield _sse(chunk("".join(s["text"] for s in segments), logprobs=lps, d3d=info))
-                    ev = await next_event(job)
-                    continue
-                if ev[0] in ("cancelled", "disconnected"):
-                    return
-                if ev[0] == "error":
-                    yield _sse(ev[1].body())
-                    break
-                _, res, tail, _ = ev  # done
-                if tail:
-                    seg = [{"text": tail, "draft": False}]
-                    yield _sse(chunk(tail, d3d={"accepted": 0, "tokens": [], "segments": seg}))
-                finish = FINISH.get(res.finish_reason, res.finish_reason)
-                yield _sse(chunk(None, finish, d3d={"method": gen.method, "tau": round(res.tau, 4),
-                                                    "tokens_per_s": round(res.tokens_per_s, 2), "rounds": res.rounds,
-                                                    "new_tokens": res.new_tokens, "finish_reason": res.finish_reason}))
-                if job.req.include_usage:
-                    yield _sse(base | {"choices": [], "usage": _usage(len(job.req.prompt_ids), res.new_tokens)})
-                break
-            yield "data: [DONE]\n\n"
-        finally:  # normal end, client gone (generator closed or cancelled): never leave the job running
-            watcher.cancel()
-            if job.state in ("queued", "running"):
-                worker.cancel(job)
-
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await completion(request, chat=True)
+        return await completions.handle(request, chat=True)
 
     @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await completion(request, chat=False)
+    async def completions_endpoint(request: Request):
+        return await completions.handle(request, chat=False)
 
     return app
 

@@ -14,18 +14,9 @@ class Metrics:
     def __init__(self):
         self.lock = threading.Lock()
         self.requests: dict[tuple[str, int], int] = {}
-        self.cancelled = 0
-        self.timeouts = 0
-        self.generations = 0
-        self.prompt_tokens = 0
-        self.generated_tokens = 0
-        self.rounds = 0
-        self.round_tokens = 0
-        self.decode_tokens = 0
-        self.decode_s = 0.0
-        self.prefill_s = 0.0
-        self.last_tau = 0.0
-        self.last_tokens_per_s = 0.0
+        self.cancelled = self.timeouts = self.generations = 0  # requests
+        self.prompt_tokens = self.generated_tokens = self.rounds = self.round_tokens = self.decode_tokens = 0
+        self.decode_s = self.prefill_s = self.last_tau = self.last_tokens_per_s = 0.0
 
     def request(self, endpoint: str, status: int) -> None:
         with self.lock:

@@ -1,7 +1,6 @@
 """Request parsing for d3d serve: OpenAI request bodies -> GenRequest, or an ApiError with an OpenAI-style body."""
 from __future__ import annotations
 
-import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,10 +9,11 @@ from fastapi.responses import JSONResponse
 
 from ..api import Generator, check_messages
 from ..errors import D3DError
-from ..verify import SamplingParams
+from ..methods import registry
+from ..decoding.verify import SamplingParams
 
 
-STATIC = Path(__file__).parent.parent / "static"
+STATIC = Path(__file__).parent / "static"
 DEFAULT_MAX_TOKENS = 512
 MAX_BODY_BYTES = 4 << 20
 MAX_STOP = 16
@@ -222,15 +222,6 @@ def encode_prompt(body: dict, gen: Generator, chat: bool, cap: int | None = None
         raise bad(f"cannot tokenize '{param}': {_first_line(e)}", param) from None
 
 
-def accepts_logprobs(runner) -> bool:
-    """Whether a method's runner takes the engines' `logprobs=` recorder."""
-    try:
-        params = inspect.signature(runner).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.name == "logprobs" or p.kind is p.VAR_KEYWORD for p in params)
-
-
 def parse_request(body, gen: Generator, chat: bool, max_prompt_tokens: int | None = None) -> GenRequest:
     """Validate an OpenAI-style request body; every problem is an ApiError(400). max_prompt_tokens: the
     prompt-token cap (None: what the context window allows)."""
@@ -249,7 +240,8 @@ def parse_request(body, gen: Generator, chat: bool, max_prompt_tokens: int | Non
     if not isinstance(opts, dict):
         raise bad("'stream_options' must be an object", "stream_options")
     logprobs = parse_logprobs(body, chat)
-    if logprobs is not None and not accepts_logprobs(gen.runner):
+    info = registry.REGISTRY.get(gen.method)  # None for a runner built outside the registry
+    if logprobs is not None and info is not None and not info.logprobs:
         raise bad(f"logprobs are not available with method {gen.method}", "logprobs")
     stop = parse_stop(body)
     temperature = _number(body, "temperature", 0.0, 0.0, 2.0)

@@ -1,7 +1,7 @@
 """Streamed text and logprobs for d3d serve: text deltas linear in the text, stop strings held back."""
 from __future__ import annotations
 
-from ..engine import TokenLogprob
+from ..decoding.engine import TokenLogprob
 
 
 def _prefix_function(s: str) -> list[int]:

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..api import Generator
-from ..engine import GenerationResult, LogprobRecorder, StopChecker
+from ..decoding.engine import GenerationResult, LogprobRecorder, StopChecker
 from ..errors import D3DError
+from .events import Done, Event, Failed, Round, Stopped
 from .metrics import Metrics
 from .requests import ApiError, GenRequest, _first_line, bad
 from .streaming import LogprobFormatter, TextStreamer
@@ -40,7 +41,7 @@ class Job:
     cancel_flag: threading.Event = field(default_factory=threading.Event)
     state: str = "queued"  # queued -> running -> done | cancelled; queued -> expired
 
-    def emit(self, *event) -> None:
+    def emit(self, event: Event) -> None:
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the event loop is closed: the server is shutting down
@@ -214,12 +215,12 @@ class Worker:
                 event = self._run(job)
             except Exception as e:  # a bug outside the generation itself: answer, log, keep serving
                 log.exception("job failed")
-                job.state, event = "done", ("error", ApiError(500, f"internal error: {type(e).__name__}"))
+                job.state, event = "done", Failed(ApiError(500, f"internal error: {type(e).__name__}"))
             with self.lock:
                 self.running = 0
-            job.emit(*event)  # after the bookkeeping: a client that has its answer sees an idle worker
+            job.emit(event)  # after the bookkeeping: a client that has its answer sees an idle worker
 
-    def _run(self, job: Job) -> tuple:
+    def _run(self, job: Job) -> Event:
         r, tok = job.req, self.gen.tokenizer
         recorder = None if r.logprobs is None else LogprobRecorder(r.logprobs)
         fmt = None if recorder is None else LogprobFormatter(tok, r.chat, r.logprobs)
@@ -232,44 +233,47 @@ class Worker:
             if job.deadline is not None and time.monotonic() >= job.deadline:
                 raise DeadlineReached
 
-        def on_round(chunk: list[int], accepted: int, branch: str | None = None) -> None:
+        branch: list[str | None] = [None]  # the tree methods' accepted branch of the round (on_branch)
+
+        def on_round(chunk: list[int], accepted: int) -> None:
             if job.cancel_flag.is_set():
                 raise Cancelled
             progress.add(chunk, accepted)
             if streamer is not None:
                 segments = [(streamer.push(chunk[:accepted]), True), (streamer.push(chunk[accepted:]), False)]
                 lps = None if fmt is None else fmt.format(recorder.entries[len(progress.ids) - len(chunk):])
-                job.emit("round", list(chunk), accepted, time.perf_counter(), segments, lps, branch)
+                job.emit(Round(list(chunk), accepted, time.perf_counter(), segments, lps, branch[0]))
+            branch[0] = None
             if job.deadline is not None and time.monotonic() >= job.deadline:
                 raise DeadlineReached
 
         try:
             with self.prefill.active(check):
                 res = self.gen.run(r.prompt_ids, r.params, r.max_tokens, r.stop, on_round=on_round,
-                                   logprobs=recorder)
+                                   logprobs=recorder, on_branch=lambda b: branch.__setitem__(0, b))
         except Cancelled:
             job.state = "cancelled"
             self.metrics.count("cancelled")
-            return ("cancelled",)
+            return Stopped("cancelled")
         except DeadlineReached:
             self.metrics.count("timeouts")
             if not progress.ids:  # cut while the prompt was processed: no answer to give
                 job.state = "done"
-                return "error", ApiError(504, f"request timed out while its prompt of {len(r.prompt_ids)} tokens "
-                                              "was processed", code="timeout", type_="server_error")
+                return Failed(ApiError(504, f"request timed out while its prompt of {len(r.prompt_ids)} tokens "
+                                            "was processed", code="timeout", type_="server_error"))
             res = progress.result(r, tok, recorder)
         except D3DError as e:
             job.state = "done"
-            return "error", bad(str(e))
+            return Failed(bad(str(e)))
         except Exception as e:  # never seen; reported as a 500 body, and the worker keeps going
             log.exception("generation failed")
             job.state = "done"
-            return "error", ApiError(500, f"generation failed: {type(e).__name__}: {_first_line(e)}")
+            return Failed(ApiError(500, f"generation failed: {type(e).__name__}: {_first_line(e)}"))
         job.state = "done"
         self.metrics.generation(len(r.prompt_ids), res)
         tail = streamer.push([], final=True) if streamer is not None else ""
         lps = None if fmt is None or streamer is not None else fmt.format(res.logprobs)
-        return "done", res, tail, lps
+        return Done(res, tail, lps)
 
 
 # ---------------------------------------------------------------------------------------------

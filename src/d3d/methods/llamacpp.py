@@ -1,0 +1,148 @@
+"""External reference: llama.cpp (through llama-cpp-python) on the same weights as our fp32 runtime.
+
+What a CPU user would run instead of d3d, so that `d3d bench --methods llama-cpp` always prints it
+beside our numbers. The weights are those of the GGUF file the target was converted from, rewritten
+once in the cache as GGUF F32 (dequantized exactly as transformers dequantized them for our fp32
+checkpoint) or Q8_0 (llama.cpp's int8, requantized from those F32 values). llama-cpp-python is an
+optional extra (`pip install -e ".[llamacpp]"`); it builds llama.cpp from source (about 8 minutes on
+2 cores). Every generation runs on one llama.cpp context, one token per forward (no drafting), so tau
+is 1 by construction.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from ..atomic import atomic_path
+from ..decoding.engine import GenerationResult, StopChecker
+from ..errors import D3DError, first_line
+from .registry import Method, Setup, register
+from ..decoding.verify import SamplingParams
+
+WEIGHT_TYPES = ("f32", "q8_0")
+
+
+def source_gguf(model_dir: Path) -> Path:
+    """The GGUF file a target folder was converted from (the embedded default's, or a `--target X.gguf`)."""
+    from ..runtime.checkpoints import _GGUF_FILE, _GGUF_MODULE, _GGUF_PACKAGE, DEFAULT_TARGET, SOURCE_FILE, find_package_file
+
+    record = Path(model_dir) / SOURCE_FILE
+    if record.exists():
+        return Path(json.loads(record.read_text())["gguf"])
+    if Path(model_dir).name == DEFAULT_TARGET:
+        return find_package_file(_GGUF_PACKAGE, _GGUF_MODULE, _GGUF_FILE)
+    raise D3DError(f"the llama-cpp reference needs a target converted from a GGUF file; {model_dir} is a "
+                   f"Hugging Face folder (convert it with llama.cpp's convert_hf_to_gguf.py and pass --target X.gguf)")
+
+
+def convert_gguf(src: Path, dst: Path, weights: str) -> Path:
+    """Rewrite `src` with every tensor as F32 (dequantized) or Q8_0, same metadata; atomic (d3d.atomic: an
+    interruption leaves no temp file). A source the gguf library cannot read is a D3DError naming it."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, Keys
+    from gguf.quants import dequantize, quantize
+
+    qtype = {"f32": GGMLQuantizationType.F32, "q8_0": GGMLQuantizationType.Q8_0}[weights]
+    file_type = {"f32": 0, "q8_0": 7}[weights]  # llama_ftype: ALL_F32, MOSTLY_Q8_0
+    try:
+        reader = GGUFReader(src)
+        arch = reader.fields[Keys.General.ARCHITECTURE].contents()
+    except (OSError, ValueError, KeyError, IndexError) as e:
+        raise D3DError(f"cannot read {src} as a GGUF file: {first_line(e)}") from None
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(dst) as tmp:
+        writer = GGUFWriter(tmp, arch)
+        for field in reader.fields.values():
+            if field.name in (Keys.General.ARCHITECTURE, Keys.General.FILE_TYPE) or field.name.startswith("GGUF."):
+                continue
+            kind = field.types[0]
+            writer.add_key_value(field.name, field.contents(), kind,
+                                 sub_type=field.types[-1] if kind == GGUFValueType.ARRAY else None)
+        writer.add_file_type(file_type)
+        for t in reader.tensors:
+            data = dequantize(t.data, t.tensor_type).astype(np.float32)
+            # norms and other 1-D tensors stay F32, as llama.cpp's own converter keeps them
+            if qtype == GGMLQuantizationType.F32 or data.ndim < 2 or data.shape[-1] % 32:
+                writer.add_tensor(t.name, data)
+            else:
+                writer.add_tensor(t.name, quantize(data, qtype), raw_dtype=qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    return dst
+
+
+def reference_gguf(model_dir: Path, weights: str = "f32") -> Path:
+    """The cached GGUF of the target's weights as `weights` (f32 or q8_0), made once (under the cache lock:
+    a process that waited finds it done)."""
+    from ..runtime.checkpoints import cache_dir, cache_lock
+
+    if weights not in WEIGHT_TYPES:
+        raise D3DError(f"llama.cpp weights must be one of {', '.join(WEIGHT_TYPES)} (got {weights!r})")
+    src = source_gguf(model_dir)
+    dst = cache_dir() / "gguf" / f"{Path(model_dir).name}.{weights.upper()}.gguf"
+    if dst.exists():
+        return dst
+    with cache_lock(f"gguf-{dst.name}"):
+        return dst if dst.exists() else convert_gguf(src, dst, weights)
+
+
+class LlamaCppRunner:
+    """runner(prompt_ids, params=..., max_new_tokens=..., stop=...) -> GenerationResult on llama.cpp.
+
+    Prefill is the first evaluation of the prompt (it yields the first token); decode time runs from
+    there to the last token, as for our methods."""
+
+    def __init__(self, gguf_path: Path, tokenizer, threads: int, context: int = 4096):
+        try:
+            from llama_cpp import Llama
+        except ImportError:
+            raise D3DError('the llama-cpp method needs llama-cpp-python: pip install -e ".[llamacpp]" '
+                           "(builds llama.cpp from source, about 8 minutes)") from None
+        self.llm = Llama(model_path=str(gguf_path), n_ctx=context, n_threads=threads, n_threads_batch=threads,
+                         verbose=False)
+        self.tokenizer = tokenizer
+
+    def __call__(self, prompt_ids: list[int], params: SamplingParams | None = None, max_new_tokens: int = 128,
+                 stop: list[str] | None = None, on_round=None, **_) -> GenerationResult:
+        params = params or SamplingParams()
+        stopper = StopChecker(self.tokenizer, {self.tokenizer.eos_token_id}, max_new_tokens, stop)
+        sampling = {"temp": 0.0} if params.greedy else {
+            "temp": params.temperature, "top_p": params.top_p, "top_k": params.top_k, "min_p": 0.0}
+        if params.seed is not None:
+            self.llm.set_seed(params.seed)
+        self.llm.reset()  # no reuse of an earlier prompt's cache
+        res = GenerationResult(prompt_ids=list(prompt_ids))
+        t0 = time.perf_counter()
+        t_first, reason = t0, None
+        for token in self.llm.generate(list(prompt_ids), repeat_penalty=1.0, **sampling):
+            if not res.token_ids:
+                t_first = time.perf_counter()
+            else:
+                res.acceptance_lengths.append(1)  # one token per forward; the prefill's token is no round
+            chunk, reason = stopper.clip(res.token_ids, [token])
+            res.token_ids += chunk
+            if on_round is not None:
+                on_round(chunk, 0)
+            if reason:
+                break
+        res.prefill_s, res.decode_s = t_first - t0, time.perf_counter() - t_first
+        res.finish_reason = reason or "length"
+        res.text = stopper.final_text(res.token_ids)
+        return res
+
+
+def _llama_cpp(weights: str):
+    def build(s: Setup) -> LlamaCppRunner:
+        import torch
+
+        return LlamaCppRunner(reference_gguf(s.model_dir, weights), s.tokenizer, threads=torch.get_num_threads(),
+                              context=s.model.args.max_seq_len)
+    return build
+
+
+LLAMA_CPP = register(Method("llama-cpp", _llama_cpp("f32"), logprobs=False,
+                            help="reference: llama.cpp on GGUF F32 of the same weights"))
+LLAMA_CPP_Q8 = register(Method("llama-cpp-q8", _llama_cpp("q8_0"), logprobs=False, help="reference: llama.cpp on GGUF Q8_0"))

@@ -1,0 +1,190 @@
+"""d3d's CPU operators (csrc/), built once per machine with torch.utils.cpp_extension.
+
+- torch.ops.d3d.int8_linear(x, packed, w_sum, w_scale, smooth, bias) (`--quantize int8`) quantizes each
+  input row on its own (symmetric int8 of x * smooth) and multiplies it with per-row int8 weights packed
+  [N/16, K/4, 16, 4] (AVX512-VNNI `vpdpbusd`: 16 outputs per instruction; AVX2 `vpmaddubsw`; NEON `sdot`;
+  or plain loops): the integer sums are exact, so every path gives the same numbers.
+- torch.ops.d3d.fp32_linear(x, packed, bias): fp32 products, each sum over k in order by fused
+  multiply-adds, on weights packed [N/64, K, 64] (pack_fp32).
+- torch.ops.d3d.layer(x, params, k_cache, v_cache, inv_freq, positions, mask, start, n_heads, eps): a
+  whole decoder layer of one sequence (csrc/layer.cpp) over either kind of weights (layer_params).
+
+Each is built for one vector path (D3D_KERNELS below; csrc/vec.h), and every path gives the same bits.
+In all three a row's result is bitwise the same whatever else is in the call, so a verification pass or
+a token tree computes exactly what one-token decoding steps compute, and one call per layer replaces
+the ~25 small torch ops (and their Python) of a layer. Measured on this 2-core CPU at 2 threads
+(SmolLM2-135M, all 30 layers): int8 products of one token 3.1 ms (16 rows 6.8, 64 rows 20); the first
+version of int8_linear ran single-threaded (built without OpenMP, at::parallel_for ran serially).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import warnings
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from ..errors import D3DError
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "int8_linear.cpp", CSRC / "fp32_linear.cpp", CSRC / "layer.cpp"]
+HEADERS = sorted(CSRC.glob("*.h"))
+LANES = 16  # outputs per packed int8 block (one 512-bit register of int32 sums)
+FP32_GROUP = 64  # outputs per packed fp32 group (four 512-bit registers)
+
+# D3D_KERNELS: which vector path the C++ kernels are built for. "auto" (default): the best this CPU runs,
+# and the PyTorch layers for fp32 where that is only the plain loops (they are several times slower than
+# PyTorch's own kernels). A named path is built and used as asked (for tests and comparisons); "pytorch"
+# keeps the fp32 layers on PyTorch (--quantize int8 still needs the kernels, built for this CPU).
+PATH_CHOICES = ("auto", "avx512", "avx2", "neon", "scalar", "pytorch")
+_PATH_FLAGS = {"auto": [], "avx512": [], "neon": [], "pytorch": [],
+               "avx2": ["-mno-avx512f", "-mno-avxvnni"],  # also drops every AVX-512 extension: a plain AVX2 CPU
+               "scalar": ["-DD3D_SCALAR"]}
+
+
+def cpu_flags() -> set[str]:
+    try:
+        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith(("flags", "Features")))
+    except (OSError, StopIteration):
+        return set()
+    return set(line.split(":", 1)[1].split())
+
+
+def cpu_model() -> str:
+    """This CPU's name as the OS reports it (recorded beside every measurement: machines differ)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "Model name")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def requested_path() -> str:
+    """D3D_KERNELS, checked against what this CPU can run (a one-line error otherwise)."""
+    path = os.environ.get("D3D_KERNELS", "auto").strip().lower() or "auto"
+    if path not in PATH_CHOICES:
+        raise D3DError(f"D3D_KERNELS={path!r} is not a kernel path; choose one of {', '.join(PATH_CHOICES)}")
+    flags, arm = cpu_flags(), platform.machine() in ("aarch64", "arm64")
+    runnable = {"avx512": "avx512f" in flags, "avx2": {"avx2", "fma"} <= flags, "neon": arm}
+    if not runnable.get(path, True):
+        raise D3DError(f"D3D_KERNELS={path}: this CPU ({cpu_model()}) cannot run the {path} kernels")
+    return path
+
+
+def _build_tag() -> str:
+    """The build is for this CPU (-march=native) and these sources: the cached library's name says which
+    (torch rebuilds when a .cpp changes, not when only a header does)."""
+    flags = " ".join(sorted(cpu_flags())) or platform.processor()
+    digest = hashlib.sha1(f"{platform.machine()} {flags} {torch.__version__}".encode())
+    for header in HEADERS:
+        digest.update(header.read_bytes())
+    return digest.hexdigest()[:10]
+
+
+@lru_cache(maxsize=None)
+def load_kernels() -> None:
+    """Build (first use on this machine, about 15-40 s; cached by torch in ~/.cache/torch_extensions) and
+    load the operators for the path D3D_KERNELS asks for, and register the fakes torch.compile needs."""
+    from torch.utils.cpp_extension import load
+
+    path = requested_path()
+    # a forced path that is the one -march=native gives anyway shares its build (AVX2 on a CPU without AVX-512)
+    native = path == "avx2" and "avx512f" not in cpu_flags()
+    flags = [] if native else _PATH_FLAGS[path]
+    variant = path if flags else "native"
+    try:
+        load(name=f"d3d_kernels_{_build_tag()}_{variant}", sources=[str(s) for s in SOURCES],
+             extra_include_paths=[str(CSRC)], is_python_module=False,
+             extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", *flags],
+             extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as e:  # a failed build surfaces as many error types (compiler missing, ninja, linker)
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise D3DError(f"d3d builds small C++ kernels for the CPU and needs a C++ compiler and ninja: {msg}") from None
+
+    @torch.library.register_fake("d3d::int8_linear")
+    def _(x, w, w_sum, w_scale, smooth, bias):
+        return x.new_empty((*x.shape[:-1], w_scale.shape[0]))
+
+
+@lru_cache(maxsize=None)
+def kernels_available() -> bool:
+    """Whether the fp32 runtime runs on the C++ layers here: they built, and they have a vector path for
+    this CPU (or one was forced with D3D_KERNELS). Otherwise it stays on PyTorch; --quantize int8 uses the
+    kernels whatever path they have (exact integer sums on every path)."""
+    try:
+        path = requested_path()
+        if path == "pytorch":
+            return False
+        load_kernels()
+    except D3DError as e:
+        warnings.warn(f"{str(e).rstrip('.')}; the fp32 runtime stays on PyTorch (slower)", stacklevel=2)
+        return False
+    return path != "auto" or torch.ops.d3d.kernel_path() != "scalar"
+
+
+def built_path() -> str | None:
+    """The vector path of the loaded kernels ("avx512", "avx2", "neon", "scalar"), None where they did not build."""
+    try:
+        load_kernels()
+    except D3DError:
+        return None
+    return torch.ops.d3d.kernel_path()
+
+
+def kernel_path() -> str:
+    """What the fp32 layers run on here: a vector path of the C++ kernels, or "pytorch"."""
+    return built_path() if kernels_available() else "pytorch"
+
+
+def runtime_info(quantized: bool = False) -> dict:
+    """The CPU and the kernel path, recorded with every result (`d3d generate --json`, bench, report)."""
+    if not quantized:
+        return {"cpu": cpu_model(), "kernels": kernel_path()}
+    built = built_path()
+    return {"cpu": cpu_model(), "kernels": built or "none", "int8_kernels": torch.ops.d3d.int8_path() if built else "none"}
+
+
+def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(packed int8 [N/16, K/4, 16, 4], per-row sums int32 [N], per-row scales fp32 [N]) of an fp32
+    weight [N, K]: symmetric per-row int8 (scale = max|w| / 127), zero-padded to whole blocks."""
+    N, K = weight.shape
+    scale = (weight.abs().amax(dim=1) / 127).clamp_min(1e-12)
+    q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    Np, Kp = -(-N // LANES) * LANES, -(-K // 4) * 4
+    padded = torch.zeros(Np, Kp, dtype=torch.int8)
+    padded[:N, :K] = q
+    packed = padded.view(Np // LANES, LANES, Kp // 4, 4).permute(0, 2, 1, 3).contiguous()
+    return packed, q.sum(dim=1, dtype=torch.int32), scale.float()
+
+
+def pack_fp32(weight: torch.Tensor) -> torch.Tensor | None:
+    """An fp32 weight [N, K] packed [N/64, K, 64] for fp32_linear (None where N is not a multiple of 64)."""
+    N, K = weight.shape
+    if N % FP32_GROUP:
+        return None
+    return weight.detach().float().reshape(N // FP32_GROUP, FP32_GROUP, K).transpose(1, 2).contiguous()
+
+
+def layer_params(block: torch.nn.Module) -> list[torch.Tensor] | None:
+    """The tensors of one d3d.runtime.layers.Block in torch.ops.d3d.layer's order (csrc/layer.cpp): its norms, then
+    five slots per linear layer (int8: packed, w_sum, w_scale, smooth, bias; fp32: packed, -, -, -, bias);
+    an empty tensor stands for an absent one. None where an fp32 weight cannot be packed."""
+    none = torch.empty(0)
+    att = block.attention
+    params = [block.attention_norm.weight, block.ffn_norm.weight,
+              att.q_norm.weight if att.q_norm is not None else none, att.k_norm.weight if att.k_norm is not None else none]
+    for lin in (att.wqkv, att.wo, block.feed_forward.w13, block.feed_forward.w2):
+        if hasattr(lin, "packed"):  # d3d.runtime.quantize.Int8Linear
+            params += [lin.packed, lin.w_sum, lin.w_scale] + [none if t is None else t for t in (lin.smooth, lin.bias)]
+        else:
+            packed = pack_fp32(lin.weight)
+            if packed is None:
+                return None
+            params += [packed, none, none, none, none if lin.bias is None else lin.bias]
+    return [t.detach().contiguous() for t in params]

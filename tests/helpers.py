@@ -1,0 +1,140 @@
+"""Shared test helpers: tiny random targets and drafters, a stub tokenizer, tiny training data.
+
+Two tiny targets recur: the law tests' one (V = 8 tokens, EOS 7, tiny_model), small enough that its output
+law can be enumerated (sampling_law.py), and the training tests' TINY (32 tokens, EOS 1).
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from d3d.corpus.data import Example
+from d3d.corpus.datastore import Datastore
+from d3d.decoding.engine import generate
+from d3d.decoding.verify import SamplingParams
+from d3d.drafters.convert import drafter_from_target
+from d3d.drafters.drafter import Drafter
+from d3d.runtime.layers import ModelArgs
+from d3d.runtime.target import Transformer
+
+V = 8
+EOS = 7
+
+
+def tiny_args(vocab: int, max_seq_len: int, n_layers: int = 2) -> ModelArgs:
+    """A tiny Llama-like stack: width 32, two heads of 16 sharing one KV head."""
+    return ModelArgs(vocab_size=vocab, dim=32, n_layers=n_layers, n_heads=2, n_kv_heads=1, head_dim=16,
+                     intermediate_size=64, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=max_seq_len)
+
+
+TINY = tiny_args(32, 256)
+
+
+class StubTokenizer:
+    """`vocab` tokens named t0, t1, ...; eos=-1 for none. encode is bytes mod `vocab`: what --quantize int8
+    reads its calibration text through (d3d.runtime.quantize)."""
+
+    def __init__(self, vocab: int = V, eos: int = EOS):
+        self.vocab, self.eos_token_id = vocab, eos
+
+    def get_vocab(self):
+        return {f"t{i}": i for i in range(self.vocab)}
+
+    def decode(self, ids):
+        return " ".join(f"t{i}" for i in ids)
+
+    def encode(self, text, add_special_tokens=True):
+        return [b % self.vocab for b in text.encode()]
+
+
+def tiny_tokenizer(vocab: int = TINY.vocab_size) -> StubTokenizer:
+    """The training tests' tokenizer: EOS is token 1."""
+    return StubTokenizer(vocab, eos=1)
+
+
+class ChatTokenizer:
+    """One token id per chat; the chats are kept so fake runners can see their prompt."""
+    chat_template = "fake"
+
+    def __init__(self):
+        self.chats: list[list[dict]] = []
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        assert add_generation_prompt and tokenize
+        self.chats.append([dict(m) for m in messages])
+        return [len(self.chats) - 1]
+
+
+# --------------------------------------------------------------------------------------------
+# The law tests' tiny target (V tokens) and what drafts for it
+
+
+def tiny_model(noise: float = 0.0) -> Transformer:
+    """The tiny target (same weights every time), or with `noise` added to its output layer: a drafter
+    that agrees with it only part of the time."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = Transformer(tiny_args(V, 64))
+        model.output.weight.data.add_(noise * torch.randn(model.output.weight.shape))
+    model.output.weight.data.mul_(2.5)  # peakier next-token laws, far from uniform
+    return model.eval().requires_grad_(False)
+
+
+def tiny_drafter(target: Transformer, block: int = 4) -> Drafter:
+    """An untrained D3D drafter copied from the tiny target's layers: right part of the time."""
+    return drafter_from_target(target, StubTokenizer(), "tiny", [0, 1], block).eval().requires_grad_(False)
+
+
+def tiny_datastore(target: Transformer, prompt: list[int], n: int = 24) -> Datastore:
+    """A datastore of the tiny target's own sampled continuations of `prompt` (temperature 1, 6 tokens
+    each), as `d3d datastore` makes one of distillation data: often, not always, what it says next."""
+    sep = (1 << V.bit_length()) - 1
+    tokens = []
+    for seed in range(n):
+        res = generate(target, StubTokenizer(), prompt, SamplingParams(temperature=1.0, seed=1000 + seed), 6)
+        tokens += prompt[-2:] + res.token_ids + [sep]
+    return Datastore(torch.tensor(tokens).numpy(), V)
+
+
+def tiny_pair(vocab: int, block: int, seed: int = 0, favour: tuple[int, float] | None = None,
+              peaky: bool = True) -> tuple[Transformer, Drafter]:
+    """A tiny random target and a drafter copied from its layers (tokenizer StubTokenizer(vocab, eos=-1)).
+    `favour` = (token, strength) adds a direction common to most hidden states to that token's head row
+    (before the drafter copies it), so that greedy outputs mix that token with others and drafts are
+    accepted at every depth; without it, `peaky` scales the head by 2.5."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        target = Transformer(tiny_args(vocab, 128)).eval().requires_grad_(False)
+        with torch.no_grad():
+            if favour is not None:
+                x, _ = target.hidden(torch.randint(vocab, (8, 32)))
+                mean = target.norm(x).reshape(-1, target.args.dim).mean(0)
+                target.output.weight[favour[0]] += favour[1] * mean / mean.norm()
+            elif peaky:
+                target.output.weight.mul_(2.5)  # peakier next-token laws, far from uniform
+        drafter = drafter_from_target(target, StubTokenizer(vocab, eos=-1), "tiny", [0, 1], block)
+    return target, drafter.eval().requires_grad_(False)
+
+
+# --------------------------------------------------------------------------------------------
+# The training tests' TINY target
+
+
+def trainable_drafter(seed: int = 0, block_size: int = 4) -> Drafter:
+    """A D3D drafter copied from a random TINY target (torch.manual_seed(seed), not forked), in training mode."""
+    torch.manual_seed(seed)
+    target = Transformer(TINY)
+    return drafter_from_target(target, tiny_tokenizer(), "tiny", [0, 1], block_size)
+
+
+def tiny_examples(n: int = 64, seed: int = 0) -> list[Example]:
+    """Sequences with an easy rule (t, t+1, t+2, ... within TINY's vocabulary, restarting at random), so a
+    drafter can learn."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        start = rng.randrange(2, TINY.vocab_size)
+        seq = [(start + i) % (TINY.vocab_size - 2) + 2 for i in range(40)]
+        out.append(Example(prompt_ids=seq[:6], response_ids=seq[6:], source="tiny", hash=""))
+    return out
