@@ -206,6 +206,7 @@ N_SAMPLES = 2000
 TEMP = SamplingParams(temperature=0.8)
 
 
+@pytest.mark.slow
 def test_sampling_has_the_law_of_plain_sampling():
     target, d = tiny_pair(V, 3)
     tok = StubTokenizer(V, EOS)

@@ -94,6 +94,7 @@ def tiny_dflash(target: Transformer, block_size: int = 4) -> DFlashDrafter:
                                target_layers=[0, 1]).eval().requires_grad_(False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dflash", "ar-draft"])
 def test_baseline_sampling_has_the_law_of_plain_sampling(kind):
     threads = torch.get_num_threads()

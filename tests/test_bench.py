@@ -55,6 +55,7 @@ def test_loader_formats():
         benchmark_prompts("nope")
 
 
+@pytest.mark.slow
 def test_training_inputs_unchanged():
     """The committed distillation dataset was built from exactly these sets: they must not drift."""
     digest = hashlib.sha1("".join(sorted(benchmark_prompt_hashes())).encode()).hexdigest()
@@ -62,6 +63,7 @@ def test_training_inputs_unchanged():
     assert hashlib.sha1(repr(training_mix()).encode()).hexdigest() == "1cef3536ace24b11c08a1af2809d804f29a32756"
 
 
+@pytest.mark.slow
 def test_code_prompts_are_disjoint_from_training_heldout_and_benchmarks():
     """`d3d data --prompts code` draws prompts nothing else uses; its stubs are valid Python in the
     HumanEval wording; its ShareGPT requests lie before the held-out pool, beyond training_mix's reach."""
@@ -89,6 +91,7 @@ def test_code_prompts_are_disjoint_from_training_heldout_and_benchmarks():
     assert code_mix() == code  # deterministic
 
 
+@pytest.mark.slow
 def test_chat_prompts_are_disjoint_from_every_other_set():
     """`d3d data --prompts chat` draws ShareGPT requests that neither training_mix, code_mix, the held-out
     slice nor any benchmark uses, none mentioning code, all before the held-out pool."""
@@ -107,6 +110,7 @@ def test_chat_prompts_are_disjoint_from_every_other_set():
     assert chat_mix() == chat  # deterministic
 
 
+@pytest.mark.slow
 def test_sharegpt_heldout_is_disjoint_from_training():
     mix = training_mix()
     heldout = sharegpt_heldout()
@@ -331,6 +335,7 @@ def test_report_errors(tmp_path, capsys):
 
 # ---------------------------------------------------------------- end to end
 
+@pytest.mark.slow
 def test_quick_bench_end_to_end(tmp_path):
     out = tmp_path / "quick.json"
     proc = subprocess.run([sys.executable, "-m", "d3d.cli", "bench", "--quick", "--benchmarks", "gsm8k,mt-bench",
@@ -355,6 +360,7 @@ def test_quick_bench_end_to_end(tmp_path):
         assert sum(r["tau_histogram"]) == sum(p["rounds"] for p in prompt_rows)
 
 
+@pytest.mark.slow
 def test_bench_runs_each_method_once_per_named_drafter(tmp_path):
     """--drafters NAME=PATH: d3d runs once per drafter (rows d3d@NAME) beside the methods without one."""
     from d3d.methods.catalog import DEFAULT_DRAFTERS
@@ -373,6 +379,7 @@ def test_bench_runs_each_method_once_per_named_drafter(tmp_path):
     assert report["settings"]["drafter_weights"]["d3d@a"] == report["settings"]["drafter_weights"]["d3d@b"]
 
 
+@pytest.mark.slow
 def test_bench_runs_each_retrieving_method_once_per_named_datastore(tmp_path):
     """--datastores NAME=PATH: lookup-tree and d3d-tree run once per datastore (rows METHOD@NAME, and
     METHOD@DRAFTER@DATASTORE with --drafters), each with its own; ngram and d3d run once."""

@@ -171,6 +171,7 @@ def test_the_llama_cpp_rewrite_is_atomic_and_names_a_bad_source(tmp_path, monkey
         convert_gguf(bad, tmp_path / "gguf" / "y.F32.gguf", "f32")
 
 
+@pytest.mark.slow
 def test_a_damaged_weight_file_outside_the_cache_is_a_one_line_error(tmp_path):
     folder = tiny_target_folder(tmp_path / "tiny")
     weights = folder / "model.safetensors"
@@ -184,6 +185,7 @@ def test_a_damaged_weight_file_outside_the_cache_is_a_one_line_error(tmp_path):
                           "corrupt weight file", str(weights))
 
 
+@pytest.mark.slow
 def test_serve_loads_through_the_error_wrapper(tmp_path):
     """A config.json that does not match its weights fails deep inside torch's load_state_dict: `d3d serve`
     reports it on one line, as generate and bench do."""
@@ -280,6 +282,7 @@ def test_damaged_data_files_are_one_line_errors(tmp_path):
         load_dataset(data)
 
 
+@pytest.mark.slow
 def test_damaged_inputs_are_one_line_errors_from_the_cli(tmp_path):
     folder = tiny_target_folder(tmp_path / "tiny")
     store = tmp_path / "store.npz"
@@ -345,6 +348,7 @@ def wheel(folder: Path, data: bytes) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_package_files_are_fetched_by_pinned_hash(tmp_path, monkeypatch):
     """The real fetch (pip install --only-binary :all: --require-hashes) from a local folder: a wheel that
     is not the pinned one is refused and leaves nothing; the pinned one is installed once into the cache."""

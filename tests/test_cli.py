@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test runs the command line in a subprocess
+
 
 def d3d(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "d3d.cli", *args], capture_output=True, text=True,

@@ -75,6 +75,7 @@ def test_the_draft_models_cache_is_a_fresh_run_on_the_verified_text(one_thread, 
         torch.testing.assert_close(kv, fresh.kv_cache[..., :len(tokens), :], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_sampling_has_the_law_of_plain_sampling(one_thread):
     target, draft_model = tiny_model(), DraftModel(tiny_model(noise=NOISE))
     samples, rounds = spec_draw(target, TEMP, lambda seed: DraftModelProposer(draft_model, V, max_len=64))

@@ -318,6 +318,7 @@ def test_d3d_async_greedy_is_identical_to_ar_on_real_prompts(smol, prompt_ids):
     assert hits > 0 and max(lengths) >= 2  # packed drafts were used and accepted
 
 
+@pytest.mark.slow
 def test_cli_trace_writes_chrome_trace_and_plot(tmp_path):
     trace = tmp_path / "trace.json"
     r = subprocess.run([sys.executable, "-m", "d3d.cli", "generate", "What is 12 * 7?", "--method", "d3d-async",

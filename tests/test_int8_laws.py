@@ -21,6 +21,7 @@ import d3d.methods.draftmodel
 from d3d.methods.draftmodel import DraftModel, load_draft_model
 from d3d.drafters.files import save_drafter
 from d3d.runtime.quantize import Int8Linear, apply_quantize
+from d3d.drafters.kinds import KINDS
 from d3d.methods.registry import BUILTIN, Setup, get
 from helpers import EOS, StubTokenizer, tiny_model
 from sampling_law import (FIRST, N_ALL, PARAMS_ID, PROMPT_ALL, TEMP, TRUNCATED, chi2_pvalue, draw, exact_law,
@@ -64,7 +65,7 @@ def loaded(tmp_path_factory):
                     mp.setattr(d3d.methods.draftmodel, "load_runtime", lambda *a: method_drafter("draft-model").model)
                     drafter = DraftModel(load_draft_model(setup))
             else:
-                drafter = setup.drafter(kind, method)
+                drafter = setup.drafter(KINDS[kind], method)
             memo[mode, method] = target, drafter
         return memo[mode, method]
 
@@ -86,6 +87,7 @@ def laws(loaded):
     return law
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,method,params", CASES, ids=[f"{mode}-{m}-{PARAMS_ID[id(p)]}" for mode, m, p in CASES])
 def test_sampling_in_int8_keeps_the_law(loaded, laws, mode, method, params):
     if method == "suffix":

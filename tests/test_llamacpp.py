@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from d3d.errors import D3DError
-from d3d.methods.llamacpp import LlamaCppRunner, reference_gguf
+from d3d.methods.llamacpp import LlamaCppRunner, gguf_whole, reference_gguf
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +29,18 @@ def test_f32_gguf_holds_exactly_our_fp32_weights(smol, f32_gguf):
     assert np.array_equal(tensors["token_embd.weight"], model.tok_embeddings.weight.numpy())
     assert np.array_equal(tensors["blk.0.ffn_down.weight"], model.layers[0].feed_forward.w2.weight.numpy())
     assert np.array_equal(tensors["output_norm.weight"], model.norm.weight.numpy())
+
+
+def test_a_damaged_reference_gguf_is_made_again(smol, f32_gguf, monkeypatch):
+    """A truncated cached conversion does not read whole and is converted again at the next use."""
+    monkeypatch.setenv("D3D_CACHE", str(f32_gguf.parent.parent))
+    assert gguf_whole(f32_gguf) and reference_gguf(smol[2], "f32") == f32_gguf
+    whole = f32_gguf.stat().st_size
+    with open(f32_gguf, "r+b") as f:
+        f.truncate(whole // 2)
+    assert not gguf_whole(f32_gguf)
+    assert reference_gguf(smol[2], "f32") == f32_gguf and f32_gguf.stat().st_size == whole
+    assert gguf_whole(f32_gguf)
 
 
 def test_unknown_weight_type_and_missing_package_are_clear_errors(smol, monkeypatch):

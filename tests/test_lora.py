@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from d3d.training.batches import TrainConfig, draft_vocabulary
@@ -90,6 +91,7 @@ def test_train_with_lora_rank_resumes_and_writes_factors(tmp_path, smol):
     assert "is a LoRA drafter; continue its training from its run folder" in r.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_lora_rank_without_a_base_model_is_a_one_line_error(tmp_path):
     r = subprocess.run([sys.executable, "-m", "d3d.cli", "train", "--out", str(tmp_path / "x"), "--init-model",
                         "--lora-rank", "8", "--data", str(ROOT / "data" / "distill")], capture_output=True, text=True,

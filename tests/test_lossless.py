@@ -237,11 +237,13 @@ def test_exact_distribution_is_a_distribution(tiny):
         assert max(dist.values()) < 0.3 and any(s[-1] == EOS and len(s) < MAX_NEW_TINY for s in dist)
 
 
+@pytest.mark.slow
 def test_plain_sampling_matches_exact_distribution(tiny):
     samples, _ = spec_draw(tiny, TEMP)
     assert chi2_pvalue(samples, exact_law(tiny, PROMPT, TEMP, MAX_NEW_TINY, EOS)) > 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", [TEMP, TRUNCATED], ids=["temperature", "top_k+top_p"])
 @pytest.mark.parametrize("kind", ["sampled_q", "one_hot"])
 def test_speculative_sampling_is_lossless(tiny, proposers, params, kind):
@@ -252,6 +254,7 @@ def test_speculative_sampling_is_lossless(tiny, proposers, params, kind):
     assert chi2_pvalue(samples, dist) > 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("broken", [accept_every_draft, resample_from_p_on_rejection])
 @pytest.mark.parametrize("kind", ["sampled_q", "one_hot"])
 def test_the_statistic_catches_a_broken_rule(tiny, proposers, monkeypatch, broken, kind):
@@ -269,6 +272,7 @@ CASES = [("ngram", TRUNCATED), ("d3d", TEMP), ("d3d", TRUNCATED), ("d3d-tree", T
     [("ar-draft", TOP_K), ("ar-draft", TOP_P), ("dflash", TOP_K), ("dflash", TOP_P)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method,params", CASES, ids=[f"{m}-{PARAMS_ID[id(p)]}" for m, p in CASES])
 def test_every_speculative_method_keeps_the_law(tiny, method, params):
     run = method_runner(method, tiny, method_drafter(method))
@@ -313,6 +317,7 @@ def reduced_vocab_drafter():
                                draft_ids=REDUCED_VOCAB).eval().requires_grad_(False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method,params", REDUCED_CASES, ids=[m for m, _ in REDUCED_CASES])
 def test_a_reduced_draft_vocabulary_keeps_the_law(tiny, method, params):
     run = method_runner(method, tiny, reduced_vocab_drafter())
@@ -323,6 +328,7 @@ def test_a_reduced_draft_vocabulary_keeps_the_law(tiny, method, params):
     assert chi2_pvalue(samples, dist) > 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["d3d", "d3d-async"])
 def test_the_method_harness_catches_a_broken_rule(tiny, monkeypatch, method):
     import d3d.decoding.async_engine

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from d3d.cli import main
 from d3d.methods.catalog import DEFAULT_DRAFTERS
 
 SHIPPED = str(DEFAULT_DRAFTERS / "SmolLM2-135M-Instruct")
 
 
+@pytest.mark.slow
 def test_estimate_adds_drafters_to_one_report(tmp_path, capsys):
     out, cache = tmp_path / "estimate.json", tmp_path / "continuations.json"
     common = ["--benchmarks", "gsm8k", "--limit", "1", "--max-new-tokens", "16", "--cache", str(cache),
@@ -28,6 +31,7 @@ def test_estimate_adds_drafters_to_one_report(tmp_path, capsys):
     assert "other settings" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_loadtest_short_run(tmp_path):
     out = tmp_path / "load.json"
     assert main(["loadtest", "--clients", "2", "--duration", "3", "--max-tokens", "6", "--phases", "random",

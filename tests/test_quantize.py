@@ -214,11 +214,12 @@ def ar_outputs(smol, int8_target, prompt_ids):
 
 def loaded_drafter(model, tok, model_dir, method, quantize_drafter=None):
     """The drafter make_runner built `method` with (Setup.drafter loads one per target, checkpoint and precision)."""
+    from d3d.drafters.kinds import KINDS
     from d3d.methods.catalog import drafter_path, get
     from d3d.methods.registry import Setup
 
     setup = Setup(model, tok, model_dir, drafter_path(method, model_dir), quantize_drafter=quantize_drafter)
-    return setup.drafter(get(method).drafter_kind, method)
+    return setup.drafter(KINDS[get(method).drafter_kind], method)
 
 
 @pytest.mark.parametrize("method", ["ngram", "d3d", "d3d-async", "d3d-tree", "lookup-tree", "ar-draft", "dflash"])

@@ -232,6 +232,7 @@ def test_logprobs_recorded_for_every_method():
                 lp.topk(3, -1).values.flatten().tolist(), abs=1e-4), method
 
 
+@pytest.mark.slow
 def test_health_and_models(env):
     server, _, _ = env
     status, body = server.request("GET", "/health")
@@ -241,6 +242,7 @@ def test_health_and_models(env):
     assert body["data"][0]["id"] == "SmolLM2-135M-Instruct"
 
 
+@pytest.mark.slow
 def test_python_api_equals_cli(env):
     _, refs, cli = env
     assert refs[PROMPT_A].token_ids == cli["token_ids"]
@@ -248,6 +250,7 @@ def test_python_api_equals_cli(env):
     assert refs["gen"].generate(PROMPT_A, max_new_tokens=4) == refs["gen"].tokenizer.decode(cli["token_ids"][:4])
 
 
+@pytest.mark.slow
 def test_chat_plain_and_streamed_equal_cli(env):
     server, refs, cli = env
     ref = refs[PROMPT_A]
@@ -270,6 +273,7 @@ def test_chat_plain_and_streamed_equal_cli(env):
     assert events[-2]["usage"] == body["usage"] and events[-2]["choices"] == []
 
 
+@pytest.mark.slow
 def test_streamed_rounds_mark_drafts(env):
     """Prompt B copies its prompt, so n-gram drafts get accepted: the per-round d3d fields add up."""
     server, refs, _ = env
@@ -287,6 +291,7 @@ def test_streamed_rounds_mark_drafts(env):
             assert e["choices"][0]["delta"]["content"] == "".join(s["text"] for s in e["d3d"]["segments"])
 
 
+@pytest.mark.slow
 def test_text_completions_plain_and_streamed(env):
     server, refs, _ = env
     ref = refs["raw"]
@@ -301,6 +306,7 @@ def test_text_completions_plain_and_streamed(env):
     assert finish == out["choices"][0]["finish_reason"] == "stop"
 
 
+@pytest.mark.slow
 def test_sampling_with_seed_is_reproducible(env):
     server, _, _ = env
     body = chat(PROMPT_A, max_tokens=8, temperature=0.9, top_p=0.95, seed=7)
@@ -309,6 +315,7 @@ def test_sampling_with_seed_is_reproducible(env):
     assert answers[0][1]["choices"][0]["message"] == answers[1][1]["choices"][0]["message"]
 
 
+@pytest.mark.slow
 def test_four_concurrent_clients(env):
     server, refs, _ = env
     jobs = [(PROMPT_A, False), (PROMPT_B, True), (PROMPT_A, True), (PROMPT_B, False)]
@@ -365,6 +372,7 @@ BAD_COMPLETION = [
 ]
 
 
+@pytest.mark.slow
 def test_bad_input_gets_400(env):
     server, _, _ = env
     before = server.metrics().get("d3d_generations_total", 0)
@@ -385,6 +393,7 @@ def test_bad_input_gets_400(env):
     assert status == 404 and "error" in out
 
 
+@pytest.mark.slow
 def test_queue_full_503_and_disconnect_frees_slot(env):
     """A long streamed generation runs; MAX_QUEUE requests wait behind it; one more gets 503. Then the
     streaming client hangs up: its generation stops, the waiting requests run and get the right answers."""
@@ -442,6 +451,7 @@ def test_queue_full_503_and_disconnect_frees_slot(env):
     assert after["d3d_queue_waiting"] == 0 and after["d3d_generation_running"] == 0
 
 
+@pytest.mark.slow
 def test_metrics_count_requests_and_tokens(env):
     server, refs, _ = env
     before = server.metrics()
@@ -481,6 +491,7 @@ BAD_MORE = [  # (path, body, fragment of the message, param)
 ] + [("/v1/completions", {"prompt": "hi", k: v}, "not supported", k) for k, v in (("best_of", 2), ("echo", True))]
 
 
+@pytest.mark.slow
 def test_more_malformed_input_gets_400_naming_the_parameter(env):
     server, _, _ = env
     before = server.metrics().get("d3d_generations_total", 0)
@@ -496,6 +507,7 @@ def test_more_malformed_input_gets_400_naming_the_parameter(env):
     assert server.metrics().get("d3d_generations_total", 0) == before + 2
 
 
+@pytest.mark.slow
 def test_origin_and_content_type_checks(env):
     """Browsers send Origin: another site's page (or a DNS-rebound name) is refused; the server's own
     origin is not. A POST must be application/json (a cross-site HTML form cannot send that)."""
@@ -531,6 +543,7 @@ def _read_head_and_body(s: socket.socket) -> str:
     return data.decode()
 
 
+@pytest.mark.slow
 def test_oversized_body_413_without_reading_it(env):
     """A 64 MB Content-Length gets 413 after only its headers and 64 KB were sent; a chunked body (no
     Content-Length) gets 413 once 4 MB have arrived, long before its 64 MB would."""
@@ -565,6 +578,7 @@ def _wait(cond, timeout: float = 30, step: float = 0.01) -> float:
     return time.monotonic() - t0
 
 
+@pytest.mark.slow
 def test_plain_request_disconnect_stops_generation(env):
     """A non-streaming client that hangs up mid-generation: the generation stops at once (a few rounds of
     the real model at most), it is counted as cancelled, not completed."""
@@ -584,6 +598,7 @@ def test_plain_request_disconnect_stops_generation(env):
     assert after["d3d_generations_total"] == before["d3d_generations_total"]
 
 
+@pytest.mark.slow
 def test_logprobs_are_the_targets_log_softmax(env):
     """Chat (logprobs + top_logprobs) and completions (logprobs: N), plain and streamed: each token's
     logprob and top list equal the log-softmax of the target's own logits (one full forward here)."""
@@ -628,6 +643,7 @@ def test_logprobs_are_the_targets_log_softmax(env):
         == lps["token_logprobs"]
 
 
+@pytest.mark.slow
 def test_max_queue_validated():
     proc = subprocess.run([sys.executable, "-m", "d3d.cli", "serve", "--max-queue", "0"], capture_output=True,
                           text=True, timeout=60)
@@ -692,6 +708,7 @@ def scripted(env):
         thread.join(10)
 
 
+@pytest.mark.slow
 def test_api_key_required(scripted):
     server, _ = scripted
     body = chat("hi", max_tokens=2)
@@ -710,6 +727,7 @@ def test_api_key_required(scripted):
     assert server.request("GET", "/v1/models", headers={"Authorization": basic})[0] == 200
 
 
+@pytest.mark.slow
 def test_allowed_origin_gets_cors(scripted):
     server, _ = scripted
     status, _, headers = server.request("OPTIONS", "/v1/chat/completions", full=True, headers={
@@ -722,6 +740,7 @@ def test_allowed_origin_gets_cors(scripted):
     assert server.post("/v1/chat/completions", chat("hi", max_tokens=2), headers={"Origin": ALLOWED[:-1]})[0] == 403
 
 
+@pytest.mark.slow
 def test_disconnect_frees_worker_within_one_round(scripted):
     server, runner = scripted
     for stream in (False, True):
@@ -740,6 +759,7 @@ def test_disconnect_frees_worker_within_one_round(scripted):
         assert runner.rounds - at_close <= 1
 
 
+@pytest.mark.slow
 def test_deadline_cuts_a_running_request(scripted):
     server, runner = scripted
     t0 = time.monotonic()
@@ -753,6 +773,7 @@ def test_deadline_cuts_a_running_request(scripted):
     assert finish == "length" and 0 < len(ids) < 200
 
 
+@pytest.mark.slow
 def test_deadline_in_the_queue_gives_504(scripted):
     server, _ = scripted
     slow = {}
@@ -768,6 +789,7 @@ def test_deadline_in_the_queue_gives_504(scripted):
     assert slow["r"][0] == 200 and slow["r"][1]["d3d"]["finish_reason"] == "timeout"
 
 
+@pytest.mark.slow
 def test_worker_survives_a_failing_generation(scripted):
     server, _ = scripted
     status, out = server.post("/v1/chat/completions", chat("hi", max_tokens=FAILING))
@@ -777,6 +799,7 @@ def test_worker_survives_a_failing_generation(scripted):
     assert server.post("/v1/chat/completions", chat("hi", max_tokens=2))[0] == 200
 
 
+@pytest.mark.slow
 def test_text_streamer_equals_final_text(env):
     """The incremental TextStreamer: its deltas, for any split into rounds, concatenate to the engine's
     final text (EOS dropped, cut before the first stop), multi-byte characters and long stops included."""
@@ -855,6 +878,7 @@ class Chromium:
         os.close(self.from_chrome)
 
 
+@pytest.mark.slow
 def test_web_page_in_headless_chromium(env, tmp_path):
     binary = shutil.which("chromium") or shutil.which("chromium-browser")
     if binary is None:

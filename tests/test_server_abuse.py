@@ -293,6 +293,7 @@ def test_host_rules_on_every_interface():
 # 3. API keys
 
 
+@pytest.mark.slow
 def test_blank_api_key_refused_and_keys_stripped(served, tmp_path):
     from d3d.errors import D3DError
     from d3d.server.app import create_app

@@ -138,6 +138,7 @@ def test_greedy_equals_plain_decoding_and_learns_from_the_prompt_and_earlier_res
     assert first.tau > 1.3  # the copy prompt: drafts from its own prompt, on its first request
 
 
+@pytest.mark.slow
 @needs_arctic
 def test_sampling_keeps_the_target_law_and_a_broken_rule_is_caught(tiny, monkeypatch):
     """The cache learns from every earlier sample (its trees change between draws, never within one from

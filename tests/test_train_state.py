@@ -31,6 +31,7 @@ def test_a_crafted_state_file_is_refused_without_running_it(tmp_path, monkeypatc
     assert not (tmp_path / "pwned").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("option", ["--shard-size", "--batch-size", "--max-new-tokens", "--max-tokens"])
 def test_data_numbers_are_checked_before_the_model_loads(tmp_path, option):
     r = subprocess.run([sys.executable, "-m", "d3d.cli", "data", "--out", str(tmp_path / "d"), option, "0"],

@@ -265,6 +265,7 @@ def tree_proposer(tiny):
                         datastore=tiny_datastore(tiny, [1, 2, 3, 1, 2]))
 
 
+@pytest.mark.slow
 def test_generation_keeps_the_law_and_a_broken_rule_is_caught(tiny, tree_proposer, monkeypatch):
     params = SamplingParams(temperature=0.8, top_k=5, top_p=0.9)
     dist = exact_law(tiny, [1, 2, 3, 1, 2], params, 4, EOS)
@@ -299,6 +300,7 @@ def test_a_drafter_whose_nodes_never_make_the_cut_stops_running(tiny, monkeypatc
     assert len(calls) <= rounds // 3  # a few rounds while its optimistic start decays, then probes only
 
 
+@pytest.mark.slow
 def test_a_tree_cut_to_two_nodes_keeps_the_law(tiny):
     """One node below the root: which candidate keeps it depends on the drafter's and the n-gram's tokens
     (a tree that held a token sampled from the drafter's law here failed this test at p = 1e-18)."""

@@ -165,6 +165,7 @@ def test_train_init_model_target_writes_a_small_delta_checkpoint(tmp_path, smol)
     assert len(d.layers) == model.args.n_layers and d.layers[0].feed_forward is model.layers[0].feed_forward
 
 
+@pytest.mark.slow
 def test_init_model_bad_input_is_a_one_line_error(tmp_path):
     r = subprocess.run([sys.executable, "-m", "d3d.cli", "train", "--out", str(tmp_path / "x"), "--init-model",
                         "--kind", "ar", "--data", str(ROOT / "data" / "distill")], capture_output=True, text=True,

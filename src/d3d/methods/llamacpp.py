@@ -74,19 +74,32 @@ def convert_gguf(src: Path, dst: Path, weights: str) -> Path:
     return dst
 
 
+def gguf_whole(path: Path) -> bool:
+    """Whether a GGUF file reads whole: its header parses and every tensor's data lies within the file (a
+    truncated file, or one overwritten with something else, fails; the header only is read)."""
+    from gguf import GGUFReader
+
+    try:
+        size = path.stat().st_size
+        return all(int(t.data_offset) + int(t.n_bytes) <= size for t in GGUFReader(path).tensors)
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return False
+
+
 def reference_gguf(model_dir: Path, weights: str = "f32") -> Path:
-    """The cached GGUF of the target's weights as `weights` (f32 or q8_0), made once (under the cache lock:
-    a process that waited finds it done)."""
-    from ..runtime.checkpoints import cache_dir, cache_lock
+    """The cached GGUF of the target's weights as `weights` (f32 or q8_0), keyed by its source's content
+    (d3d.runtime.checkpoints.content_key), made once under the cache lock (a process that waited finds it
+    done), and made again if the cached file no longer reads whole (gguf_whole)."""
+    from ..runtime.checkpoints import cache_dir, cache_lock, content_key
 
     if weights not in WEIGHT_TYPES:
         raise D3DError(f"llama.cpp weights must be one of {', '.join(WEIGHT_TYPES)} (got {weights!r})")
     src = source_gguf(model_dir)
-    dst = cache_dir() / "gguf" / f"{Path(model_dir).name}.{weights.upper()}.gguf"
-    if dst.exists():
+    dst = cache_dir() / "gguf" / f"{Path(model_dir).name}.{content_key(src)}.{weights.upper()}.gguf"
+    if dst.exists() and gguf_whole(dst):
         return dst
     with cache_lock(f"gguf-{dst.name}"):
-        return dst if dst.exists() else convert_gguf(src, dst, weights)
+        return dst if dst.exists() and gguf_whole(dst) else convert_gguf(src, dst, weights)
 
 
 class LlamaCppRunner:
