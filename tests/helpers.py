@@ -138,3 +138,17 @@ def tiny_examples(n: int = 64, seed: int = 0) -> list[Example]:
         seq = [(start + i) % (TINY.vocab_size - 2) + 2 for i in range(40)]
         out.append(Example(prompt_ids=seq[:6], response_ids=seq[6:], source="tiny", hash=""))
     return out
+
+
+def sliced_prompt(ids: list[int], chunk: int) -> list[int]:
+    """`ids` repeated to 2 * chunk + 10 tokens: a prompt of three prefill slices, the last one short."""
+    return (ids * (2 * chunk // len(ids) + 1))[:2 * chunk + 10]
+
+
+def check_raising_after(n: int, calls: list):
+    """A prefill_check that records each call in `calls` and raises TimeoutError once there are more than n."""
+    def check():
+        calls.append(1)
+        if len(calls) > n:
+            raise TimeoutError
+    return check

@@ -16,7 +16,7 @@ from d3d.training.losses import evaluate
 from d3d.methods.catalog import BASELINE_SUFFIX, default_drafter
 from d3d.runtime.target import Transformer
 from d3d.training.train import train
-from helpers import EOS, TINY, tiny_examples, tiny_model, tiny_tokenizer
+from helpers import EOS, TINY, check_raising_after, sliced_prompt, tiny_examples, tiny_model, tiny_tokenizer
 from sampling_law import MAX_NEW_TINY, PROMPT, TEMP, chi2_pvalue, exact_law, spec_draw
 
 
@@ -165,6 +165,26 @@ def test_transformers_reference_equals_our_plain_decoding(smol, prompt_ids):
         assert res.token_ids == ar.token_ids
         assert sum(res.acceptance_lengths) == res.new_tokens - 1 and res.decode_s > 0
         assert (res.tau > 1) == lookup
+
+
+def test_transformers_reference_prompt_in_checked_slices(smol, prompt_ids):
+    """With prefill_check (d3d serve), hf runs the prompt in PREFILL_CHUNK-token slices with the check
+    before each, then generate() goes on from that cache: the same answer, the same first-forward split of
+    prefill and decode; a check that raises stops it, and the next call is whole again."""
+    from d3d.decoding.engine import PREFILL_CHUNK
+
+    model, tok, model_dir = smol
+    runner = HFRunner(load_hf_model(model_dir), tok, prompt_lookup=False)
+    ids = sliced_prompt(prompt_ids[0], PREFILL_CHUNK)
+    plain = runner(ids, max_new_tokens=6)
+    calls = []
+    sliced = runner(ids, max_new_tokens=6, prefill_check=lambda: calls.append(1))
+    assert len(calls) == 3 + 1 and sliced.token_ids == plain.token_ids
+    assert sliced.acceptance_lengths == plain.acceptance_lengths and sliced.prefill_s > 0
+    assert runner.starts[0] == len(ids) - 1  # generate() ran only the last prompt token
+    with pytest.raises(TimeoutError):
+        runner(ids, max_new_tokens=6, prefill_check=check_raising_after(1, []))
+    assert runner(ids, max_new_tokens=6).token_ids == plain.token_ids
 
 
 def test_precomputed_target_features_give_the_same_dflash_loss():

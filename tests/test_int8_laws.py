@@ -27,7 +27,7 @@ from helpers import EOS, StubTokenizer, tiny_model
 from sampling_law import (FIRST, N_ALL, PARAMS_ID, PROMPT_ALL, TEMP, TRUNCATED, chi2_pvalue, draw, exact_law,
                           method_drafter, method_runner)
 
-REFERENCES = {"hf", "hf-lookup", "llama-cpp", "llama-cpp-q8"}  # their own runtimes: --quantize never reaches them
+REFERENCES = {m for m in BUILTIN if get(m).own_prefill}  # their own runtimes: --quantize never reaches them
 # --quantize int8 reaches every other built-in method, --quantize-drafter int8 every one that loads a drafter: a
 # built-in method added later gets its cases here at once (and fails them until method_runner runs it). Each
 # drafter method samples with temperature alone in one mode and with top-k + top-p in the other.

@@ -9,6 +9,7 @@ import torch
 
 from d3d.errors import D3DError
 from d3d.methods.llamacpp import LlamaCppRunner, gguf_whole, reference_gguf
+from helpers import check_raising_after, sliced_prompt
 
 
 @pytest.fixture(scope="module")
@@ -57,3 +58,38 @@ def test_llama_cpp_generates_with_our_result_fields(smol, f32_gguf, short_answer
     res = runner(short_answer_ids, max_new_tokens=8)
     assert 1 <= res.new_tokens <= 8 and res.rounds == res.new_tokens - 1 and res.tau == 1.0
     assert res.finish_reason in ("eos", "length") and res.text
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("llama_cpp"), reason="llama-cpp-python not installed")
+def test_llama_cpp_source_runs_the_gguf_file_the_target_came_from(smol, short_answer_ids):
+    """`llama-cpp-source` loads the target's source GGUF as it is (no rewrite in the cache), and refuses
+    --quantize like the other methods on a runtime of their own."""
+    from d3d.methods.catalog import check_quantize, make_runner
+    from d3d.methods.llamacpp import source_gguf
+
+    runner = make_runner("llama-cpp-source", smol[0], smol[1], smol[2])
+    assert runner.fn.gguf_path == source_gguf(smol[2])
+    res = runner(short_answer_ids, max_new_tokens=4)
+    assert 1 <= res.new_tokens <= 4 and res.tau == 1.0
+    with pytest.raises(D3DError, match="^llama-cpp-source runs llama.cpp on the target's source GGUF"):
+        check_quantize("int8", ["llama-cpp-source"])
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("llama_cpp"), reason="llama-cpp-python not installed")
+def test_llama_cpp_prompt_in_checked_slices(smol, f32_gguf, prompt_ids):
+    """With prefill_check (d3d serve), llama.cpp evaluates the prompt in PREFILL_CHUNK-token slices with the
+    check before each and generate() finds them cached: the same answer; a check that raises stops it and
+    the next call starts clean."""
+    from d3d.decoding.engine import PREFILL_CHUNK
+
+    runner = LlamaCppRunner(f32_gguf, smol[1], threads=torch.get_num_threads())
+    ids = sliced_prompt(prompt_ids[0], PREFILL_CHUNK)
+    plain = runner(ids, max_new_tokens=6)
+    calls, evals, inner = [], [], runner.llm.eval
+    runner.llm.eval = lambda tokens: (evals.append(len(tokens)), inner(tokens))[1]
+    sliced = runner(ids, max_new_tokens=6, prefill_check=lambda: calls.append(1))
+    assert len(calls) == 3 + 1 and sliced.token_ids == plain.token_ids
+    assert evals[:4] == [PREFILL_CHUNK, PREFILL_CHUNK, 9, 1]  # generate() evaluated only the last token
+    with pytest.raises(TimeoutError):
+        runner(ids, max_new_tokens=6, prefill_check=check_raising_after(1, []))
+    assert runner(ids, max_new_tokens=6).token_ids == plain.token_ids

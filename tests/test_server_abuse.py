@@ -233,6 +233,48 @@ def test_deadline_during_prefill_gives_504_within_one_chunk(served):
     _wait(client.idle, timeout=2)
 
 
+def test_a_method_on_its_own_runtime_is_cut_between_its_prompt_slices():
+    """hf, hf-lookup and the llama-cpp methods run the prompt on their own runtime (Method.own_prefill):
+    the worker hands them its cancel-and-deadline check (Generator.run's prefill_check), which they call
+    between prompt slices, so a deadline cuts their prompt pass too (504) and the worker is free at once.
+    A toy method stands in for them (their slicing is tested in test_baselines and test_llamacpp)."""
+    import asyncio
+
+    from d3d.api import Generator
+    from d3d.decoding.verify import SamplingParams
+    from d3d.methods.registry import REGISTRY, Method, register
+    from d3d.server.events import Failed
+    from d3d.server.metrics import Metrics
+    from d3d.server.requests import GenRequest
+    from d3d.server.worker import Job, Worker
+
+    slices = []
+
+    def runner(prompt_ids, prefill_check=None, **_):
+        for _ in range(100):
+            prefill_check()
+            slices.append(1)
+            time.sleep(CHUNK_S)
+        raise AssertionError("the check never stopped the prompt")
+
+    method = register(Method("toy-own-prefill", lambda s: runner, own_prefill=True))
+    worker, loop = None, asyncio.new_event_loop()
+    try:
+        worker = Worker(Generator(tiny_target(), CharTokenizer(), Path("tiny"), method.name, runner), 2, Metrics())
+        request = GenRequest(long_prompt(10), SamplingParams(), 4, [], stream=False, include_usage=False)
+        t0 = time.monotonic()
+        job = Job(request, loop, t0 + 0.3)
+        worker.submit(job)
+        event = loop.run_until_complete(asyncio.wait_for(job.events.get(), 5))
+        assert isinstance(event, Failed) and event.error.status == 504, event
+        assert time.monotonic() - t0 < 0.3 + 3 * CHUNK_S + 0.5 and len(slices) < 20
+    finally:
+        del REGISTRY[method.name]
+        if worker is not None:
+            worker.stop()
+        loop.close()
+
+
 def test_prompt_token_cap_and_character_cap(served):
     client, _, _, tok = served
     status, out = client.request("POST", "/v1/completions", {"prompt": long_prompt(MAX_PROMPT + 1), "max_tokens": 2})

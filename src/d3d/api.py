@@ -92,10 +92,12 @@ class Generator:
 
     def run(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
             stop: list[str] | None = None, on_round=None, logprobs: LogprobRecorder | None = None,
-            on_branch=None) -> GenerationResult:
+            on_branch=None, prefill_check=None) -> GenerationResult:
         """Generate from token ids (serialised: one generation at a time). logprobs: a LogprobRecorder to
         record every emitted token's target logprobs in (res.logprobs; D3DError if the method cannot).
-        on_branch(branch): with the tree methods, each round's accepted branch, before on_round (else never)."""
+        on_branch(branch): with the tree methods, each round's accepted branch, before on_round (else never).
+        prefill_check(): with the methods on a runtime of their own (Method.own_prefill), called before each
+        slice of the prompt's pass; it raises to stop (d3d serve's cancel and deadline)."""
         self.check(prompt_ids, max_new_tokens)
         info = REGISTRY.get(self.method)  # None for a runner built outside the registry
         if logprobs is not None and info is not None and not info.logprobs:
@@ -103,6 +105,8 @@ class Generator:
         extra = {} if logprobs is None else {"logprobs": logprobs}
         if on_branch is not None and info is not None and info.branches:
             extra["on_branch"] = on_branch
+        if prefill_check is not None and info is not None and info.own_prefill:
+            extra["prefill_check"] = prefill_check
         with self._lock:
             return self.runner(prompt_ids, params=params, max_new_tokens=max_new_tokens, stop=stop or None,
                                on_round=on_round, **extra)

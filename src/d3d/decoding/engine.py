@@ -14,6 +14,8 @@ from ..errors import D3DError
 from .proposer import Proposer
 from .verify import SamplingParams, make_generator, next_token, verify
 
+PREFILL_CHUNK = 256  # prompt tokens per forward while d3d serve processes a prompt (cancel and deadline between)
+
 
 @dataclass
 class GenerationResult:

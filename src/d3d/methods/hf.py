@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from ..decoding.engine import GenerationResult, LogprobRecorder, check_stop, sync_device
+from ..decoding.engine import PREFILL_CHUNK, GenerationResult, LogprobRecorder, check_stop, sync_device
 from ..runtime.hf import load_hf_model
 from .registry import Method, register
 from ..decoding.verify import SamplingParams
@@ -44,8 +44,9 @@ class HFRunner:
 
     @torch.no_grad()
     def __call__(self, prompt_ids: list[int], params: SamplingParams | None = None, max_new_tokens: int = 128,
-                 stop: list[str] | None = None, on_round=None, logprobs: LogprobRecorder | None = None
-                 ) -> GenerationResult:
+                 stop: list[str] | None = None, on_round=None, logprobs: LogprobRecorder | None = None,
+                 prefill_check=None) -> GenerationResult:
+        """prefill_check(): called before each PREFILL_CHUNK-token slice of the prompt; it raises to stop."""
         params, stop = params or SamplingParams(), check_stop(stop)
         kw = {"max_new_tokens": max_new_tokens, "pad_token_id": self.tokenizer.eos_token_id}
         if params.greedy:
@@ -62,9 +63,12 @@ class HFRunner:
         if logprobs is not None:  # the raw logits of each new token, before any sampling processor
             kw |= {"output_logits": True, "return_dict_in_generate": True}
         device = next(self.model.parameters()).device
-        self.starts, self.ends = [], []
+        ids = torch.tensor([prompt_ids], device=device)
         t0 = time.perf_counter()
-        out = self.model.generate(torch.tensor([prompt_ids], device=device), **kw)
+        if prefill_check is not None:
+            kw["cache"] = self._prefill_in_slices(ids[:, :-1], prefill_check)
+        self.starts, self.ends = [], []  # generate's own forwards: the first ends the prefill
+        out = self.model.generate(ids, **kw)
         sync_device(device)
         t1 = time.perf_counter()
         if logprobs is not None:
@@ -83,9 +87,21 @@ class HFRunner:
             on_round(ids, max(0, len(ids) - 1 - len(res.acceptance_lengths)))
         return res
 
+    def _prefill_in_slices(self, ids: torch.Tensor, check):
+        """A cache holding `ids`, filled a slice at a time with check() before each; generate() then runs
+        only the rest of the prompt (it starts from the cache's length)."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        for a in range(0, ids.shape[1], PREFILL_CHUNK):
+            check()
+            self.model(input_ids=ids[:, a:a + PREFILL_CHUNK], cache=cache, use_cache=True)
+        check()
+        return cache
+
 
 HF = register(Method("hf", lambda s: HFRunner(load_hf_model(s.model_dir, s.device), s.tokenizer, prompt_lookup=False),
-                     help="reference: transformers' generate"))
+                     help="reference: transformers' generate", own_prefill=True))
 HF_LOOKUP = register(Method(
     "hf-lookup", lambda s: HFRunner(load_hf_model(s.model_dir, s.device), s.tokenizer, prompt_lookup=True),
-    help="reference: transformers' prompt-lookup assisted generation"))
+    help="reference: transformers' prompt-lookup assisted generation", own_prefill=True))

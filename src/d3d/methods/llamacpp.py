@@ -3,7 +3,8 @@
 What a CPU user would run instead of d3d, so that `d3d bench --methods llama-cpp` always prints it
 beside our numbers. The weights are those of the GGUF file the target was converted from, rewritten
 once in the cache as GGUF F32 (dequantized exactly as transformers dequantized them for our fp32
-checkpoint) or Q8_0 (llama.cpp's int8, requantized from those F32 values). llama-cpp-python is an
+checkpoint) or Q8_0 (llama.cpp's int8, requantized from those F32 values); `llama-cpp-source` runs that
+GGUF file as it is (Qwen2.5-Coder-1.5B-Instruct's is Q4_K_M: what llama.cpp users download). llama-cpp-python is an
 optional extra (`pip install -e ".[llamacpp]"`); it builds llama.cpp from source (about 8 minutes on
 2 cores). Every generation runs on one llama.cpp context, one token per forward (no drafting), so tau
 is 1 by construction.
@@ -15,7 +16,7 @@ import time
 from pathlib import Path
 
 from ..atomic import atomic_path
-from ..decoding.engine import GenerationResult, StopChecker
+from ..decoding.engine import PREFILL_CHUNK, GenerationResult, StopChecker
 from ..errors import D3DError, first_line
 from .registry import Method, Setup, register
 from ..decoding.verify import SamplingParams
@@ -117,9 +118,11 @@ class LlamaCppRunner:
         self.llm = Llama(model_path=str(gguf_path), n_ctx=context, n_threads=threads, n_threads_batch=threads,
                          verbose=False)
         self.tokenizer = tokenizer
+        self.gguf_path = Path(gguf_path)
 
     def __call__(self, prompt_ids: list[int], params: SamplingParams | None = None, max_new_tokens: int = 128,
-                 stop: list[str] | None = None, on_round=None, **_) -> GenerationResult:
+                 stop: list[str] | None = None, on_round=None, prefill_check=None, **_) -> GenerationResult:
+        """prefill_check(): called before each PREFILL_CHUNK-token slice of the prompt; it raises to stop."""
         params = params or SamplingParams()
         stopper = StopChecker(self.tokenizer, {self.tokenizer.eos_token_id}, max_new_tokens, stop)
         sampling = {"temp": 0.0} if params.greedy else {
@@ -130,6 +133,8 @@ class LlamaCppRunner:
         res = GenerationResult(prompt_ids=list(prompt_ids))
         t0 = time.perf_counter()
         t_first, reason = t0, None
+        if prefill_check is not None:
+            self._eval_in_slices(prompt_ids[:-1], prefill_check)
         for token in self.llm.generate(list(prompt_ids), repeat_penalty=1.0, **sampling):
             if not res.token_ids:
                 t_first = time.perf_counter()
@@ -146,16 +151,31 @@ class LlamaCppRunner:
         res.text = stopper.final_text(res.token_ids)
         return res
 
+    def _eval_in_slices(self, ids: list[int], check) -> None:
+        """Evaluate `ids` into the context a slice at a time, check() before each; generate() then finds
+        them cached (its prefix match) and evaluates only the rest of the prompt."""
+        for a in range(0, len(ids), PREFILL_CHUNK):
+            check()
+            self.llm.eval(ids[a:a + PREFILL_CHUNK])
+        check()
 
-def _llama_cpp(weights: str):
+
+def _llama_cpp(weights: str | None):
+    """weights: f32 or q8_0 (the cached rewrite), None for the source GGUF file as it is."""
     def build(s: Setup) -> LlamaCppRunner:
         import torch
 
-        return LlamaCppRunner(reference_gguf(s.model_dir, weights), s.tokenizer, threads=torch.get_num_threads(),
-                              context=s.model.args.max_seq_len)
+        path = source_gguf(s.model_dir) if weights is None else reference_gguf(s.model_dir, weights)
+        if weights is None and not gguf_whole(path):
+            raise D3DError(f"{path} does not read as a whole GGUF file; delete it to fetch the target again")
+        return LlamaCppRunner(path, s.tokenizer, threads=torch.get_num_threads(), context=s.model.args.max_seq_len)
     return build
 
 
-LLAMA_CPP = register(Method("llama-cpp", _llama_cpp("f32"), logprobs=False,
+LLAMA_CPP = register(Method("llama-cpp", _llama_cpp("f32"), logprobs=False, own_prefill=True,
                             help="reference: llama.cpp on GGUF F32 of the same weights"))
-LLAMA_CPP_Q8 = register(Method("llama-cpp-q8", _llama_cpp("q8_0"), logprobs=False, help="reference: llama.cpp on GGUF Q8_0"))
+LLAMA_CPP_Q8 = register(Method("llama-cpp-q8", _llama_cpp("q8_0"), logprobs=False, own_prefill=True,
+                               help="reference: llama.cpp on GGUF Q8_0"))
+LLAMA_CPP_SOURCE = register(Method("llama-cpp-source", _llama_cpp(None), logprobs=False, own_prefill=True,
+                                   help="reference: llama.cpp on the GGUF file the target was converted from, "
+                                        "as it is (e.g. Q4_K_M)"))

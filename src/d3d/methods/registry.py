@@ -32,7 +32,7 @@ DEFAULT_DRAFTERS = Path(__file__).parent.parent / "assets" / "drafters"
 BUILTIN: dict[str, str | None] = {
     "ar": None, "ngram": None, "lookup-tree": None, "suffix": None, "draft-model": "draft-model",
     **{method: kind.option for kind in KINDS.values() for method in kind.methods},
-    "hf": None, "hf-lookup": None, "llama-cpp": None, "llama-cpp-q8": None,
+    "hf": None, "hf-lookup": None, "llama-cpp": None, "llama-cpp-q8": None, "llama-cpp-source": None,
 }
 
 
@@ -105,6 +105,9 @@ class Method:
     retrieves: bool = False          # reads the datastore option (`d3d bench --datastores` runs it per datastore)
     logprobs: bool = True            # its runner records the target's logprobs (logprobs=LogprobRecorder)
     branches: bool = False           # its runner reports each round's accepted branch (on_branch=, before on_round)
+    own_prefill: bool = False        # it runs the prompt on a runtime of its own, in slices with prefill_check()
+    #                                  called before each (d3d serve's cancel and deadline; else the worker's
+    #                                  ChunkedPrefill on d3d's target does it)
 
     @property
     def option(self) -> str | None:

@@ -1,5 +1,6 @@
 """The generation worker of d3d serve: one thread, a bounded FIFO queue, cancellation and deadlines per round
-and, while a long prompt is processed, per prefill chunk (ChunkedPrefill)."""
+and, while a long prompt is processed, per prefill chunk (ChunkedPrefill on d3d's target; the methods on a
+runtime of their own check between prompt slices: Method.own_prefill)."""
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..api import Generator
-from ..decoding.engine import GenerationResult, LogprobRecorder, StopChecker
+from ..decoding.engine import PREFILL_CHUNK, GenerationResult, LogprobRecorder, StopChecker
 from ..errors import D3DError
 from .events import Done, Event, Failed, Round, Stopped
 from .metrics import Metrics
@@ -52,7 +53,6 @@ class QueueFull(Exception):
     pass
 
 
-PREFILL_CHUNK = 256  # prompt tokens per target forward while the server processes a prompt
 
 
 class ChunkedPrefill:
@@ -250,7 +250,8 @@ class Worker:
         try:
             with self.prefill.active(check):
                 res = self.gen.run(r.prompt_ids, r.params, r.max_tokens, r.stop, on_round=on_round,
-                                   logprobs=recorder, on_branch=lambda b: branch.__setitem__(0, b))
+                                   logprobs=recorder, on_branch=lambda b: branch.__setitem__(0, b),
+                                   prefill_check=check)
         except Cancelled:
             job.state = "cancelled"
             self.metrics.count("cancelled")
