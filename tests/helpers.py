@@ -152,3 +152,9 @@ def check_raising_after(n: int, calls: list):
         if len(calls) > n:
             raise TimeoutError
     return check
+
+
+def drafted_rounds(res, max_new_tokens: int) -> int:
+    """Rounds of a generation that had drafts: all but one that started with a single token left to make
+    (the loop asks for no draft then; only the last round can)."""
+    return res.rounds - (1 + sum(res.acceptance_lengths[:-1]) == max_new_tokens - 1)

@@ -57,19 +57,19 @@ def test_the_tree_is_the_caches_speculation_cut_to_depth_and_budget():
         cache.stop_request(f"earlier{i}")
     proposer = SuffixProposer(cache, budget=16, max_spec_factor=4.0)
     proposer.reset([0])
-    tree = proposer.build([0, 1, 2], k=8)
+    tree = proposer.propose([0, 1, 2], k=8)
     edges = {(tree.tokens[tree.parents[i]], tree.tokens[i]) for i in range(1, len(tree))}
     assert tree.tokens[0] == 2 and edges == {(2, 3), (2, 9), (3, 4), (3, 7)}
     assert [tree.tokens[c.child] for c in tree.cands[0]] == [3, 9]  # most likely first
     assert tree.sources[1:] == [{"suffix"}] * (len(tree) - 1) and proposer.match_lens == [2]
-    assert sorted(proposer.build([0, 1, 2], k=1).tokens[1:]) == [3, 9]  # no node deeper than k
+    assert sorted(proposer.propose([0, 1, 2], k=1).tokens[1:]) == [3, 9]  # no node deeper than k
     small = SuffixProposer(cache, budget=2, max_spec_factor=4.0)
     small.reset([0])
-    assert small.build([0, 1, 2], k=8).tokens == [2, 3]  # budget counts the root
-    assert proposer.build([0, 1, 2], k=0).tokens == [2]
+    assert small.propose([0, 1, 2], k=8).tokens == [2, 3]  # budget counts the root
+    assert proposer.propose([0, 1, 2], k=0).tokens == [2]
     # the default factor (1.0) allows as many tokens as the match is long: 2 after "1 2"
     proposer.max_spec_factor = SUFFIX_DEFAULTS["max_spec_factor"]
-    assert len(proposer.build([0, 1, 2], k=8)) == 3
+    assert len(proposer.propose([0, 1, 2], k=8)) == 3
 
 
 @needs_arctic

@@ -138,17 +138,21 @@ def test_the_drafter_runs_while_it_pays_and_is_probed_when_it_does_not():
     assert tree.drafting_pays()  # optimistic start
     drafted = TokenTree([0, 5], [-1, 0], [0, 1], [{"root"}, {"d3d"}], [[], []])
     for _ in range(5):
-        tree.accepted(drafted, [], drafted=True)  # it proposed nothing that was accepted
+        tree.drafted = True
+        tree.accept(drafted, [])  # it proposed nothing that was accepted
     assert not tree.drafting_pays()
     for _ in range(d3d.methods.tree.PROBE_ROUNDS):
-        tree.accepted(drafted, [], drafted=False)
+        tree.drafted = False
+        tree.accept(drafted, [])
     assert tree.drafting_pays()  # probed again
     for _ in range(10):
-        tree.accepted(drafted, [1], drafted=True)  # now its token is accepted every round
+        tree.drafted = True
+        tree.accept(drafted, [1])  # now its token is accepted every round
     assert tree.drafting_pays()
     copied = TokenTree([0, 5, 6, 7, 8], [-1, 0, 1, 2, 3], [0, 1, 2, 3, 4], [{"root"}] + [{"ngram"}] * 4, [[]] * 5)
     for _ in range(d3d.methods.tree.PROBE_ROUNDS - 1):
-        tree.accepted(copied, [1, 2, 3, 4], drafted=False)  # n-gram copies make tokens 5x cheaper ...
+        tree.drafted = False
+        tree.accept(copied, [1, 2, 3, 4])  # n-gram copies make tokens 5x cheaper ...
     assert not tree.drafting_pays()  # ... so the drafter's one token a round is no longer worth its cost
 
 
@@ -163,10 +167,12 @@ def test_ngram_rates_are_learned_from_the_nodes_whose_parent_was_reached():
     t = draft.select(budget=10, max_depth=5)
     assert t.keys == [set(), {key}, {deeper}]
     for _ in range(20):
-        tree.accepted(t, [], drafted=False)  # its first token was tried and rejected; the second never reached
+        tree.drafted = False
+        tree.accept(t, [])  # its first token was tried and rejected; the second never reached
     assert tree.rate(key) < 0.05 and tree.rate(deeper) == prior
     for _ in range(20):
-        tree.accepted(t, [1, 2], drafted=False)  # both accepted
+        tree.drafted = False
+        tree.accept(t, [1, 2])  # both accepted
     assert tree.rate(key) > 0.5 and tree.rate(deeper) > prior
 
 

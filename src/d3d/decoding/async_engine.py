@@ -7,6 +7,11 @@ slots 1.. are the next drafts and go straight to verification; the bonus is the 
 A synchronous draft (as in d3d.decoding.engine with D3DProposer) is made for the first round and whenever the
 accepted count was not packed.
 
+It is a proposer of the synchronous loop (d3d.decoding.engine.generate, the protocol of
+d3d.decoding.proposer) whose work runs between its verbs: `reset` starts reading the prompt beside the
+target's prompt pass, `propose` returns the round's drafts and starts the packed pass on them, which
+runs while the loop verifies, and `accept` joins it and picks the block of the accepted count.
+
 Cache invariant at the start of every round: the target's and the drafter's caches both hold every
 verified token except the pending one. Output equals plain decoding's (greedy) or has its
 distribution (sampling): the drafts of a packed candidate are sampled from that candidate's own
@@ -14,20 +19,19 @@ distribution q, which depends only on verified text, and q goes to the standard 
 """
 from __future__ import annotations
 
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from ..drafters.drafter import Drafter
-from .engine import (GenerationResult, LogprobRecorder, StopChecker, commit_round, finish, prefill, sync_device,
-                     validate_request)
+from .engine import GenerationResult, LogprobRecorder, generate
 from ..errors import D3DError
 from .packed import keep_prefix, likely_candidates, packed_draft
 from .trace import DRAFT_TID, VERIFY_TID, add_span, now_us
-from .verify import SamplingParams, draft_generator, make_generator, sample_draft, verify
+from .proposer import Proposer
+from .verify import SamplingParams, draft_generator, sample_draft
 
 _STAT_LISTS = ("verify_s", "draft_s", "wait_s", "sync_draft_s", "pick_s", "candidates")
 
@@ -45,6 +49,10 @@ class AsyncGenerationResult(GenerationResult):
     def hit_rate(self) -> float:
         s = self.stats
         return s["packed_hits"] / max(1, s["packed_hits"] + s["fallbacks"])
+
+    @classmethod
+    def of(cls, res: GenerationResult, stats: dict) -> "AsyncGenerationResult":
+        return cls(**{f.name: getattr(res, f.name) for f in fields(GenerationResult)}, stats=stats)
 
     def to_json(self) -> dict:
         s = self.stats
@@ -80,22 +88,26 @@ def _place(drafter: Drafter, draft_device) -> torch.device:
     return device
 
 
-class DraftWorker:
-    """The drafter side of the round: a one-thread executor (and a CUDA stream) kept for one generation,
-    the drafter's sampling state, and the trace lane of its spans."""
+class AsyncD3DProposer(Proposer):
+    """The drafter side of asynchronous D3D, for one generation: a one-thread executor (and a CUDA stream),
+    the drafter's sampling state, the block waiting for the next round, the per-round stats and the
+    trace lane of its spans. Use it as a context manager (the executor is shut down at exit)."""
 
-    def __init__(self, drafter: Drafter, params: SamplingParams, vocab_size: int, overlap: bool = True,
+    name = "d3d-async"
+
+    def __init__(self, drafter: Drafter, vocab_size: int, cache_len: int, slots: int, overlap: bool = True,
                  max_candidates: int | None = None, head_all: bool = False, trace: list | None = None,
                  target_device=None):
-        self.drafter, self.params, self.vocab_size = drafter, params, vocab_size
+        super().__init__()
+        self.drafter, self.vocab_size, self.cache_len, self.slots = drafter, vocab_size, cache_len, slots
         self.max_candidates, self.head_all, self.trace = max_candidates, head_all, trace
         self.device = drafter.draft_ids.device
         self.target_device = torch.device(target_device) if target_device is not None else self.device
-        self.generator = draft_generator(params, self.device)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.pool = ThreadPoolExecutor(1) if overlap else None
+        self.stats = {"packed_hits": 0, "fallbacks": 0} | {k: [] for k in _STAT_LISTS}
 
-    def __enter__(self) -> "DraftWorker":
+    def __enter__(self) -> "AsyncD3DProposer":
         return self
 
     def __exit__(self, *exc) -> None:
@@ -118,13 +130,74 @@ class DraftWorker:
             return _Done(self._timed(fn, args))
         return self.pool.submit(self._timed, fn, args)
 
-    def candidates(self, block: Block, k: int, remaining: int) -> list[int]:
-        """Acceptance counts worth packing for a block of k drafts: all (or the most likely), minus those
-        after which generation stops at max_new_tokens anyway."""
-        pool = range(k + 1) if not self.max_candidates else likely_candidates(block.conf[:k], self.max_candidates)
-        return [a for a in pool if a + 1 < remaining]
+    def reset(self, prompt_ids: list[int]) -> None:
+        """Set up the drafter's cache and start reading the prompt beside the target's prompt pass."""
+        self.drafter.setup_cache(1, self.cache_len)
+        self.drafter.cached_tokens = []
+        self.generator = draft_generator(self.params, self.device)
+        self.block, self.round, self.rounds = None, None, 0
+        self.reading = (now_us(), self.submit(self.drafter.extend, list(prompt_ids)))
+        self.last_us = now_us()  # when the drafter side last handed over: a round without drafts starts there
 
-    def block(self, logits: torch.Tensor) -> Block:
+    def _join_prompt(self) -> None:
+        if self.reading is not None:
+            t0, fut = self.reading
+            _, d0, d1 = fut.result()
+            add_span(self.trace, "prefill", VERIFY_TID, t0, now_us())
+            add_span(self.trace, "prefill", DRAFT_TID, d0, d1)
+            self.reading = None
+
+    def propose(self, tokens: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
+        """The round's drafts (the packed block of the last accepted count, else a synchronous draft), with
+        the packed pass on V = [pending token, drafts] started for every acceptance count worth packing."""
+        self._join_prompt()
+        s0 = now_us()
+        if self.block is None:
+            self.stats["fallbacks"] += 1 if self.rounds else 0
+            self.block = self.sync_draft(tokens)
+        else:
+            self.stats["packed_hits"] += 1
+        s1 = now_us()
+        block, self.block = self.block, None
+        drafts, q = block.tokens[:k], None if block.q is None else block.q[:k]
+        cands = self.candidates(block, len(drafts))
+        V = [tokens[-1]] + drafts
+        fut = self.submit(packed_draft, self.drafter, V, cands, self.slots, self.head_all) if cands else None
+        self.round = (len(tokens) - 1, cands, fut, (s1 - s0) / 1e6, now_us())
+        return drafts, q
+
+    def accept(self, draft: list[int], n: int) -> None:
+        """Join the packed pass, keep the drafter's cache up to the accepted text, and pick the block of
+        the accepted count for the next round (none if it was not packed)."""
+        self.rounds += 1
+        if self.round is None:  # a round without drafts (k = 0: one token left): the target's forward only
+            v0, self.last_us = self.last_us, now_us()
+            add_span(self.trace, "verify", VERIFY_TID, v0, self.last_us, drafts=0, accepted=0)
+            self._record((self.last_us - v0) / 1e6, 0.0, 0.0, 0.0, 0.0, 0)
+            return
+        base, cands, fut, sync_s, v0 = self.round
+        self.round = None
+        v1 = now_us()
+        out, p0, p1 = fut.result() if fut is not None else (None, v1, v1)
+        if fut is not None:
+            keep_prefix(self.drafter, base + 1 + n)
+        w1 = now_us()
+        add_span(self.trace, "verify", VERIFY_TID, v0, v1, drafts=len(draft), accepted=n)
+        if fut is not None:
+            add_span(self.trace, "draft", DRAFT_TID, p0, p1, candidates=len(cands))
+        self.block = self.pick(out[cands.index(n)]) if n in cands else None
+        self.last_us = now_us()
+        self._record((v1 - v0) / 1e6, (p1 - p0) / 1e6, (w1 - v1) / 1e6, sync_s, (self.last_us - w1) / 1e6, len(cands))
+
+    def _record(self, *values) -> None:
+        for key, value in zip(_STAT_LISTS, values):
+            self.stats[key].append(value)
+
+    def candidates(self, block: Block, k: int) -> list[int]:
+        """Acceptance counts worth packing for a block of k drafts: all, or the most likely ones."""
+        return list(range(k + 1)) if not self.max_candidates else likely_candidates(block.conf[:k], self.max_candidates)
+
+    def block_of(self, logits: torch.Tensor) -> Block:
         """Drafts from draft-vocabulary logits [k, V_draft] (greedy argmax or sampled from q)."""
         tokens, q = sample_draft(self.drafter, logits, self.params, self.vocab_size, self.generator)
         conf = None
@@ -142,7 +215,7 @@ class DraftWorker:
         t0 = now_us()
         logits = self.drafter.draft_block(tokens)[:self.drafter.block_size - 1]
         keep_prefix(self.drafter, len(tokens) - 1)
-        block = self.block(logits)
+        block = self.block_of(logits)
         add_span(self.trace, "sync draft", DRAFT_TID, t0, now_us())
         return block
 
@@ -151,7 +224,7 @@ class DraftWorker:
         """The next block from one packed candidate's output [S, .]: slot 0 is the bonus position."""
         t0 = now_us()
         logits = out[1:] if self.head_all else self.drafter.head(out[1:])
-        block = self.block(logits)
+        block = self.block_of(logits)
         add_span(self.trace, "pick", DRAFT_TID, t0, now_us())
         return block
 
@@ -163,7 +236,8 @@ def generate_async(model, tokenizer, prompt_ids: list[int], params: SamplingPara
                    max_candidates: int | None = None, successor_slots: int | None = None,
                    head_all: bool = False, on_round=None, logprobs: LogprobRecorder | None = None
                    ) -> AsyncGenerationResult:
-    """Asynchronous D3D decoding with the drafter's block size B (B - 1 drafts per verified block).
+    """Asynchronous D3D decoding with the drafter's block size B (B - 1 drafts per verified block): the
+    synchronous loop with an AsyncD3DProposer.
 
     overlap=False runs the packed pass and verification one after the other (same output), to measure
     the overlap. Cost levers: max_candidates packs only the most likely acceptance counts (by the
@@ -172,73 +246,17 @@ def generate_async(model, tokenizer, prompt_ids: list[int], params: SamplingPara
     trace collects Chrome-trace spans. On CPU the worker thread shares torch's intra-op thread count,
     which is process-wide (torch.set_num_threads in one thread changes it for all): with 2 cores,
     torch.set_num_threads(1) gives each side one core.
-    on_round(chunk, accepted), logprobs: as in d3d.decoding.engine.generate (on_round is called after each round's
-    chunk is appended).
+    on_round(chunk, accepted), logprobs: as in d3d.decoding.engine.generate.
     """
     if drafter is None:
         raise D3DError("generate_async needs a drafter")
-    params = params or SamplingParams()
     B = drafter.block_size
     S = successor_slots or B
     if not 2 <= S <= B:
         raise D3DError(f"successor blocks must have 2..{B} slots (got {S})")
-    validate_request(model, prompt_ids, max_new_tokens, B)
-    device = next(model.parameters()).device
-    draft_dev = _place(drafter, draft_device)
-    gen = make_generator(params, device)
-    stopper = StopChecker(tokenizer, {tokenizer.eos_token_id}, max_new_tokens, stop)
-    res = AsyncGenerationResult(prompt_ids=list(prompt_ids))
-    stats = res.stats
-    model.setup_cache(1, len(prompt_ids) + max_new_tokens + B + 1)
-    drafter.setup_cache(1, len(prompt_ids) + max_new_tokens + B + B * S + 1)
-    drafter.cached_tokens = []
-
-    with DraftWorker(drafter, params, model.args.vocab_size, overlap, max_candidates, head_all, trace, device) as w:
-        t0, started = now_us(), time.perf_counter()
-        fut = w.submit(drafter.extend, list(prompt_ids))  # the drafter reads the prompt beside the target
-
-        def join_drafter(_) -> None:
-            add_span(w.trace, "prefill", VERIFY_TID, t0, now_us())
-            _, d0, d1 = fut.result()
-            add_span(w.trace, "prefill", DRAFT_TID, d0, d1)
-
-        tokens, reason, start, _ = prefill(model, res, stopper, prompt_ids, params, gen, device, on_round, logprobs,
-                                           drafter_prefill=join_drafter, started=started)
-        block = None
-        while reason is None:
-            remaining = max_new_tokens - len(res.token_ids)
-            s0 = now_us()
-            if block is None:
-                stats["fallbacks"] += 1 if res.rounds else 0
-                block = w.sync_draft(tokens)
-            else:
-                stats["packed_hits"] += 1
-            s1 = now_us()
-            k = min(len(block.tokens), remaining - 1)
-            drafts, q = block.tokens[:k], None if block.q is None else block.q[:k]
-            V = [tokens[-1]] + drafts
-            cands = w.candidates(block, k, remaining)
-            fut = w.submit(packed_draft, drafter, V, cands, S, head_all) if cands else None
-            base = len(tokens) - 1
-            v0 = now_us()
-            logits = model(torch.tensor([V], device=device))
-            n, nxt = verify(drafts, logits[0], params, gen, q)
-            model.rollback(base + 1 + n)
-            sync_device(device)
-            v1 = now_us()
-            out, p0, p1 = fut.result() if fut is not None else (None, v1, v1)
-            if fut is not None:
-                keep_prefix(drafter, base + 1 + n)
-            w1 = now_us()
-            add_span(w.trace, "verify", VERIFY_TID, v0, v1, drafts=k, accepted=n)
-            if fut is not None:
-                add_span(w.trace, "draft", DRAFT_TID, p0, p1, candidates=len(cands))
-            chunk = drafts[:n] + [nxt]
-            res.acceptance_lengths.append(n + 1)
-            reason = commit_round(res, stopper, tokens, chunk, on_round, logprobs, logits[0, :n + 1])
-            block = w.pick(out[cands.index(n)]) if reason is None and n in cands else None
-            for key, value in zip(_STAT_LISTS, ((v1 - v0) / 1e6, (p1 - p0) / 1e6, (w1 - v1) / 1e6, (s1 - s0) / 1e6,
-                                                (now_us() - w1) / 1e6, len(cands))):
-                stats[key].append(value)
-        sync_device(draft_dev)
-        return finish(res, stopper, reason, start, device, logprobs)
+    _place(drafter, draft_device)
+    cache_len = len(prompt_ids) + max_new_tokens + B + B * S + 1
+    with AsyncD3DProposer(drafter, model.args.vocab_size, cache_len, S, overlap, max_candidates, head_all, trace,
+                          next(model.parameters()).device) as proposer:
+        res = generate(model, tokenizer, prompt_ids, params, max_new_tokens, proposer, B, stop, on_round, logprobs)
+    return AsyncGenerationResult.of(res, proposer.stats)

@@ -166,19 +166,19 @@ def commit_first(res: GenerationResult, stopper: StopChecker, first: int, row: t
 
 def prefill(model, res: GenerationResult, stopper: StopChecker, prompt_ids: list[int], params: SamplingParams,
             gen: torch.Generator, device, on_round=None, logprobs: LogprobRecorder | None = None,
-            hidden_layers=None, drafter_prefill=None, started: float | None = None):
+            hidden_layers=None, observe=None, started: float | None = None):
     """The prompt's forward and the first token, committed (commit_first) and timed into res.prefill_s
-    (from `started`, a time.perf_counter() value, if the drafter's share began earlier), with the drafter's
-    own share of the prefill: drafter_prefill(taps), if given. Returns (working tokens, finish reason or
-    None, decode start time, hidden-state taps or None)."""
+    (from `started`, a time.perf_counter() value, if the proposer's reset began earlier), with
+    observe(taps), the hidden states after `hidden_layers`, if given. Returns (working tokens, finish
+    reason or None, decode start time, hidden-state taps or None)."""
     t0 = time.perf_counter() if started is None else started
     logits = model(torch.tensor([prompt_ids], device=device), last_only=True, hidden_layers=hidden_layers)
     taps = None
     if hidden_layers:
         logits, taps = logits
     first = next_token(logits[0, -1], params, gen)
-    if drafter_prefill is not None:
-        drafter_prefill(taps)
+    if observe is not None:
+        observe(taps)
     sync_device(device)
     t1 = time.perf_counter()
     res.prefill_s = t1 - t0
@@ -222,15 +222,12 @@ def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams | N
     res = GenerationResult(prompt_ids=list(prompt_ids))
     model.setup_cache(1, len(prompt_ids) + max_new_tokens + block_size + 1)
     taps_of = None if proposer is None else proposer.hidden_layers or None
-
-    def drafter_prefill(taps) -> None:
+    started = time.perf_counter()
+    if proposer is not None:
         proposer.params = params
         proposer.reset(list(prompt_ids))
-        if taps_of:
-            proposer.observe(taps)
-
     tokens, reason, t1, taps = prefill(model, res, stopper, prompt_ids, params, gen, device, on_round, logprobs,
-                                       taps_of, None if proposer is None else drafter_prefill)
+                                       taps_of, proposer.observe if taps_of else None, started)
     while reason is None:
         if proposer is None:
             logits = model(torch.tensor([[tokens[-1]]], device=device))

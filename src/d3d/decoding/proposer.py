@@ -1,18 +1,25 @@
-"""The proposer protocol of the synchronous loop (d3d.decoding.engine.generate), as a base class.
+"""The proposer protocol: what every decoding loop asks of the method that drafts.
 
-Per generation: the engine sets `params` (the request's sampling settings, so a proposer may draft
-greedily at temperature 0 and sample otherwise), then calls `reset(prompt_ids)` in the prefill phase,
-timed into prefill_s as the target's prompt pass is: a drafter with a cache reads the prompt there, as
-vLLM's draft models do, so that rounds feed only new tokens. Per round: `propose(tokens, k)` sees every
-verified token (the last one is pending) and returns up to k drafts and, optionally, the distributions
-[len(draft), V] they were sampled from (None: deterministic drafts, i.e. one-hot); after verification
-`accept(draft, n)` says how many of them the target kept (the next round's text ends with the target's
-own token after those n). A proposer that lists target layers in `hidden_layers` (DFlash) also gets
-`observe(taps)`: the target's hidden states after those layers for every newly verified position,
-prompt included, taken from the target's own passes.
+Per generation the loop sets `params` (the request's sampling settings, so a proposer may draft greedily
+at temperature 0 and sample otherwise), then calls `reset(prompt_ids)` just before the target's prompt
+pass, timed into prefill_s with it: a drafter with a cache reads the prompt there (as vLLM's draft models
+do, so that rounds feed only new tokens), beside the target's pass if it has a thread of its own. Per
+round, `propose(tokens, k)` sees every verified token (the last one is pending) and returns a draft at
+most k deep; after verification `accept(draft, outcome)` says what the target kept. The draft is one of
+two shapes, and each loop takes one:
 
-The token-tree loop (d3d.decoding.tree) takes tree proposers instead: reset, build(tokens, k) -> TokenTree
-and accepted(tree, path, drafted); d3d-async (d3d.decoding.async_engine) drives its drafter itself.
+- a chain (d3d.decoding.engine.generate): `propose` returns up to k tokens and, optionally, the
+  distributions [len(draft), V] they were sampled from (None: deterministic drafts, i.e. one-hot);
+  `accept(draft, n)` gets how many of them the target kept (the next round's text ends with the
+  target's own token after those n). `ngram`, `d3d`, `d3d-async`, `ar-draft`, `dflash`, `draft-model`.
+- a tree (d3d.decoding.tree.generate_tree): `propose` returns a TokenTree (d3d.decoding.tokentree: the
+  draft's tokens with their parents, rooted at the pending token; a chain is the tree whose every
+  parent is the node before) and `accept(tree, path)` gets the accepted path. `d3d-tree`, `lookup-tree`,
+  `suffix`; a tree proposer also has a token `budget`.
+
+A proposer that lists target layers in `hidden_layers` (DFlash) also gets `observe(taps)`: the target's
+hidden states after those layers for every newly verified position, prompt included, taken from the
+target's own passes.
 """
 from __future__ import annotations
 

@@ -2,12 +2,13 @@
 TreeProposer, or d3d.methods.suffix's) is fed to the target in one forward and verified, losslessly
 (d3d.decoding.tokentree states the rule; its width: d3d.decoding.treecost).
 
-A tree proposer has reset(prompt_ids), build(tokens, k) -> TokenTree, accepted(tree, path, drafted),
-a `drafted` flag for the round just built, `params` and `budget`, and optionally learn(prompt_ids,
+A tree proposer speaks the proposer protocol (d3d.decoding.proposer): reset(prompt_ids), propose(tokens,
+k) -> TokenTree, accept(tree, path), with `params` and a token `budget`, and optionally learn(prompt_ids,
 token_ids), called with every finished generation.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -56,17 +57,18 @@ def generate_tree(model, tokenizer, prompt_ids: list[int], params: SamplingParam
     res = TreeGenerationResult(prompt_ids=list(prompt_ids))
     model.setup_cache(1, len(prompt_ids) + max_new_tokens + max(max_depth + 1, proposer.budget) + 1)
     proposer.params = params
-
+    started = time.perf_counter()
+    proposer.reset(list(prompt_ids))
     tokens, reason, t1, _ = prefill(model, res, stopper, prompt_ids, params, gen, device, on_round, logprobs,
-                                    drafter_prefill=lambda _: proposer.reset(list(prompt_ids)))
+                                    started=started)
     while reason is None:
         k = min(max_depth, max_new_tokens - len(res.token_ids) - 1)
-        tree = proposer.build(tokens, k)
+        tree = proposer.propose(tokens, k)
         base = len(tokens) - 1
         logits = tree_logits(model, tree)
         path, nxt = verify_tree(tree, logits, params, gen)
         compact_cache(model, base, path)
-        proposer.accepted(tree, path, drafted=proposer.drafted)
+        proposer.accept(tree, path)
         chunk = [tree.tokens[i] for i in path] + [nxt]
         res.acceptance_lengths.append(len(path) + 1)
         res.tree_sizes.append(len(tree))

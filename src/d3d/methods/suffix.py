@@ -33,6 +33,7 @@ from functools import partial
 
 from ..errors import D3DError
 from .registry import Method, Runner, Setup, register
+from ..decoding.proposer import Proposer
 from ..decoding.tokentree import TokenTree, TreeDraft
 from ..decoding.tree import TreeGenerationResult, generate_tree
 from ..decoding.verify import SamplingParams
@@ -65,8 +66,8 @@ def arctic_version() -> str | None:
         return None
 
 
-class SuffixProposer:
-    """The tree proposer of d3d.decoding.tree.generate_tree (reset / build / accepted) over a SuffixDecodingCache.
+class SuffixProposer(Proposer):
+    """The tree proposer of d3d.decoding.tree.generate_tree (reset / propose / accept) over a SuffixDecodingCache.
 
     One generation is one request of the cache; `finish()` closes it (SuffixRunner calls it after every
     generation). The cache lives as long as the proposer, so its global tree holds the responses of
@@ -83,7 +84,6 @@ class SuffixProposer:
         self.max_spec_factor, self.max_spec_offset = max_spec_factor, max_spec_offset
         self.min_token_prob, self.use_tree_spec = min_token_prob, use_tree_spec
         self.params = SamplingParams()  # set by generate_tree; the proposals do not depend on it
-        self.drafted = False  # no drafter pass to pay for (generate_tree hands it back to accepted)
         self.request: int | None = None
         self._prompt_len = self._added = 0  # the prompt's tokens; those of the working text in the cache
         self.match_lens: list[int] = []  # per round: the context match the draft came from (0: no draft)
@@ -101,7 +101,7 @@ class SuffixProposer:
             self.cache.add_active_response(self.request, list(tokens[self._added:]))
             self._added = len(tokens)
 
-    def build(self, tokens: list[int], k: int) -> TokenTree:
+    def propose(self, tokens: list[int], k: int) -> TokenTree:
         """The tree for the round after `tokens` (the prompt and the verified output, ending with the pending
         token), at most k deep and `budget` nodes with the root: the cache's speculation tree, its nodes
         scored by the cache's probability estimates (candidates tried most likely first)."""
@@ -124,8 +124,8 @@ class SuffixProposer:
         self.match_lens.append(spec.match_len if nodes else 0)
         return draft.select(self.budget, k)
 
-    def accepted(self, tree: TokenTree, path: list[int], drafted: bool) -> None:
-        """Nothing to learn here: the cache learns from the verified tokens, added at the next build."""
+    def accept(self, tree: TokenTree, path: list[int]) -> None:
+        """Nothing to learn here: the cache learns from the verified tokens, added at the next propose."""
 
     def finish(self, token_ids: list[int] | None = None) -> None:
         """Close the open request, first appending the output's tokens not yet added (`token_ids`: the

@@ -35,6 +35,7 @@ import torch
 
 from ..corpus.datastore import Continuation, Datastore, load_datastore, shipped_datastore
 from ..corpus.learned import LEARN_TOKENS, LearnedStore
+from ..decoding.proposer import Proposer
 from ..decoding.tokentree import TokenTree, TreeDraft
 from ..decoding.tree import generate_tree
 from ..decoding.treecost import WidthCost, choose_budget, choose_slots, measured_curve, width_cost_curve
@@ -78,7 +79,7 @@ def d3d_block(proposer: D3DProposer, tokens: list[int], k: int, params: Sampling
     return SlotBlock(d.draft_ids[index].tolist(), values.tolist())
 
 
-class TreeProposer:
+class TreeProposer(Proposer):
     """Builds each round's token tree from the D3D drafter (its block and, at every slot, its next best
     tokens followed by a few of the block's later tokens), n-gram matches and, given a datastore, the
     continuations retrieved from it, under a token budget. Without a drafter: lookup-tree."""
@@ -97,7 +98,7 @@ class TreeProposer:
         self.draft_slots = draft_slots
         self.ngram_matches, self.max_ngram, self.cost = ngram_matches, max_ngram, cost
         self.datastore, self.retrieved, self.history = datastore, retrieved, history
-        self.params = SamplingParams()
+        self.params, self.drafted = SamplingParams(), False
 
     def learn(self, prompt_ids: list[int], token_ids: list[int]) -> None:
         """A finished generation joins the learned store (if this proposer has one); generate_tree calls it."""
@@ -142,12 +143,13 @@ class TreeProposer:
         right, tried = self._counts(key)
         return right / tried
 
-    def accepted(self, tree: TokenTree, path: list[int], drafted: bool) -> None:
+    def accept(self, tree: TokenTree, path: list[int]) -> None:
         """Feedback after verification: every labelled node whose parent was reached counts as tried,
         and as accepted if it is on the path (so the rates depend on verified text only); and, if the
         drafter ran this round (`drafted`, whether or not any of its nodes made the cut: its pass was paid
         for either way), how many accepted tokens only it had proposed; and what the round cost per
         emitted token."""
+        drafted = self.drafted
         reached = {0, *path}
         for i in range(1, len(tree)):
             if tree.parents[i] in reached:
@@ -164,7 +166,7 @@ class TreeProposer:
         else:
             self.idle_rounds += 1
 
-    def build(self, tokens: list[int], k: int) -> TokenTree:
+    def propose(self, tokens: list[int], k: int) -> TokenTree:
         """The tree for the round after `tokens` (ending with the pending token), at most k deep."""
         draft = TreeDraft(tokens[-1])
         self.drafted = k > 0 and self.d3d is not None and self.drafting_pays()
