@@ -152,13 +152,13 @@ class AsyncD3DProposer(Proposer):
         the packed pass on V = [pending token, drafts] started for every acceptance count worth packing."""
         self._join_prompt()
         s0 = now_us()
-        if self.block is None:
+        block, self.block = self.block, None
+        if block is None:
             self.stats["fallbacks"] += 1 if self.rounds else 0
-            self.block = self.sync_draft(tokens)
+            block = self.sync_draft(tokens)
         else:
             self.stats["packed_hits"] += 1
         s1 = now_us()
-        block, self.block = self.block, None
         drafts, q = block.tokens[:k], None if block.q is None else block.q[:k]
         cands = self.candidates(block, len(drafts))
         V = [tokens[-1]] + drafts
