@@ -87,22 +87,38 @@ EARLY_ERRORS = [
 ]
 
 
+# runs d3d.cli.main on each argument list in turn, in one process (each case costs little more than
+# importing torch, which the process does once), and prints [exit code, stderr] per case as JSON
+EARLY_ERROR_DRIVER = """
+import contextlib, io, json, sys
+from d3d.cli import main
+done = []
+for argv in json.loads(sys.stdin.read()):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+    done.append([code, err.getvalue()])
+print(json.dumps(done))
+"""
+
+
 @pytest.fixture(scope="module")
 def early_errors(tmp_path_factory) -> dict[tuple, subprocess.CompletedProcess]:
-    """Every error that must be caught before the model loads. Each run costs little more than importing
-    torch, so they all start at once."""
+    """Every error that must be caught before the model loads, all run by one process of the command
+    line's main (EARLY_ERROR_DRIVER)."""
     tmp = tmp_path_factory.mktemp("bad")
     for name, content in BAD_PROMPT_FILES.items():
         (tmp / name).write_text(content)
     (tmp / "junk.txt").write_text("not a model")
-    procs = {args: subprocess.Popen([sys.executable, "-m", "d3d.cli", *(a.format(tmp=tmp) for a in args)],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for args, _ in EARLY_ERRORS}
-    done = {}
-    for args, p in procs.items():
-        out, err = p.communicate(timeout=180)
-        done[args] = subprocess.CompletedProcess(p.args, p.returncode, out, err)
-    return done
+    argvs = [[a.format(tmp=tmp) for a in args] for args, _ in EARLY_ERRORS]
+    proc = subprocess.run([sys.executable, "-c", EARLY_ERROR_DRIVER], input=json.dumps(argvs), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return {args: subprocess.CompletedProcess(argv, code, "", err)
+            for (args, _), argv, (code, err) in zip(EARLY_ERRORS, argvs, json.loads(proc.stdout))}
 
 
 @pytest.mark.parametrize("args, contains", EARLY_ERRORS)
