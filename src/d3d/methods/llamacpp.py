@@ -167,7 +167,7 @@ def _llama_cpp(weights: str | None):
 
         path = source_gguf(s.model_dir) if weights is None else reference_gguf(s.model_dir, weights)
         if weights is None and not gguf_whole(path):
-            raise D3DError(f"{path} does not read as a whole GGUF file; delete it to fetch the target again")
+            raise D3DError(f"{path} does not read as a whole GGUF file (truncated or overwritten)")
         return LlamaCppRunner(path, s.tokenizer, threads=torch.get_num_threads(), context=s.model.args.max_seq_len)
     return build
 
