@@ -166,24 +166,28 @@ def commit_first(res: GenerationResult, stopper: StopChecker, first: int, row: t
 
 def prefill(model, res: GenerationResult, stopper: StopChecker, prompt_ids: list[int], params: SamplingParams,
             gen: torch.Generator, device, on_round=None, logprobs: LogprobRecorder | None = None,
-            hidden_layers=None, observe=None, started: float | None = None):
-    """The prompt's forward and the first token, committed (commit_first) and timed into res.prefill_s
-    (from `started`, a time.perf_counter() value, if the proposer's reset began earlier), with
-    observe(taps), the hidden states after `hidden_layers`, if given. Returns (working tokens, finish
-    reason or None, decode start time, hidden-state taps or None)."""
-    t0 = time.perf_counter() if started is None else started
-    logits = model(torch.tensor([prompt_ids], device=device), last_only=True, hidden_layers=hidden_layers)
-    taps = None
-    if hidden_layers:
+            proposer: Proposer | None = None):
+    """The proposer's reset (given `params`; a proposer reads the prompt there, beside the target's pass if
+    it has a thread of its own), the prompt's forward and the first token, committed (commit_first) and
+    all timed into res.prefill_s; a proposer with hidden_layers observes the prompt's taps. Returns
+    (working tokens, finish reason or None, decode start time)."""
+    t0 = time.perf_counter()
+    taps_of = None
+    if proposer is not None:
+        proposer.params = params
+        proposer.reset(list(prompt_ids))
+        taps_of = proposer.hidden_layers or None
+    logits = model(torch.tensor([prompt_ids], device=device), last_only=True, hidden_layers=taps_of)
+    if taps_of:
         logits, taps = logits
     first = next_token(logits[0, -1], params, gen)
-    if observe is not None:
-        observe(taps)
+    if taps_of:
+        proposer.observe(taps)
     sync_device(device)
     t1 = time.perf_counter()
     res.prefill_s = t1 - t0
     reason = commit_first(res, stopper, first, logits[0, -1:], on_round, logprobs)
-    return list(prompt_ids) + [first], reason, t1, taps
+    return list(prompt_ids) + [first], reason, t1
 
 
 def finish(res: GenerationResult, stopper: StopChecker, reason: str, t1: float, device,
@@ -222,12 +226,7 @@ def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams | N
     res = GenerationResult(prompt_ids=list(prompt_ids))
     model.setup_cache(1, len(prompt_ids) + max_new_tokens + block_size + 1)
     taps_of = None if proposer is None else proposer.hidden_layers or None
-    started = time.perf_counter()
-    if proposer is not None:
-        proposer.params = params
-        proposer.reset(list(prompt_ids))
-    tokens, reason, t1, taps = prefill(model, res, stopper, prompt_ids, params, gen, device, on_round, logprobs,
-                                       taps_of, proposer.observe if taps_of else None, started)
+    tokens, reason, t1 = prefill(model, res, stopper, prompt_ids, params, gen, device, on_round, logprobs, proposer)
     while reason is None:
         if proposer is None:
             logits = model(torch.tensor([[tokens[-1]]], device=device))

@@ -8,7 +8,6 @@ token_ids), called with every finished generation.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -56,11 +55,7 @@ def generate_tree(model, tokenizer, prompt_ids: list[int], params: SamplingParam
     stopper = StopChecker(tokenizer, {tokenizer.eos_token_id}, max_new_tokens, stop)
     res = TreeGenerationResult(prompt_ids=list(prompt_ids))
     model.setup_cache(1, len(prompt_ids) + max_new_tokens + max(max_depth + 1, proposer.budget) + 1)
-    proposer.params = params
-    started = time.perf_counter()
-    proposer.reset(list(prompt_ids))
-    tokens, reason, t1, _ = prefill(model, res, stopper, prompt_ids, params, gen, device, on_round, logprobs,
-                                    started=started)
+    tokens, reason, t1 = prefill(model, res, stopper, prompt_ids, params, gen, device, on_round, logprobs, proposer)
     while reason is None:
         k = min(max_depth, max_new_tokens - len(res.token_ids) - 1)
         tree = proposer.propose(tokens, k)
