@@ -7,9 +7,9 @@ target (and plain `ar` sampling of that runtime is checked against it first); un
 int8 it is the fp32 target's. The target is quantized as d3d.runtime.loading.load_target does (apply_quantize),
 learned drafters are saved and loaded through the registry's Setup.drafter (d3d.drafters.files.load_drafter,
 which quantizes them as the option says), and draft-model's model through d3d.methods.draftmodel.load_draft_model.
-What these draws cannot resolve: on this tiny target the int8 law is within 0.7-1% (total variation) of the
-fp32 one, so a method verifying against the fp32 target would pass here too; that it is the int8 target's
-output exactly is test_quantize.py's greedy identity with int8 `ar` on real prompts.
+The target is int8_sensitive(tiny_model()): on the plain tiny target the int8 law is within 0.7-1% (total
+variation) of the fp32 one, which 1,200 draws cannot see, so a method verifying against the wrong one of the
+two would pass. Each case therefore also shows its draws rejecting the other mode's law.
 """
 from __future__ import annotations
 
@@ -36,6 +36,20 @@ CASES = [("int8", m, p) for m, p in INT8_PARAMS.items()] + \
         [("drafter-int8", m, TRUNCATED if INT8_PARAMS[m] is TEMP else TEMP) for m, option in BUILTIN.items() if option]
 
 
+SHARED_HEAD = 40.0
+
+
+def int8_sensitive(model):
+    """`model` with one large vector (SHARED_HEAD x its output layer's largest |weight|) added to every row of
+    its output layer. Softmax is blind to it in fp32 (every logit moves by the same amount: the law stays the
+    same), but it sets each row's int8 scale, so in int8 the rounding moves the logits' differences: on the
+    tiny target the int8 law is then 0.28 (temperature alone) / 0.47 (top-k + top-p) from the fp32 law in total
+    variation, and 1,200 draws of either reject the other law with p below 1e-20 (20 of 20 simulated runs)."""
+    w = model.output.weight.data
+    w.add_(SHARED_HEAD * w.abs().max() * torch.randn(1, w.shape[1], generator=torch.Generator().manual_seed(3)))
+    return model
+
+
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
     """(mode, method) -> (target, drafter) as the option leaves them: the tiny target in int8 ("int8") or fp32
@@ -44,7 +58,8 @@ def loaded(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # thousands of tiny forwards: threading only adds overhead
     tok, folder = StubTokenizer(), tmp_path_factory.mktemp("drafters")
-    targets = {"int8": apply_quantize(tiny_model(), "int8", tok), "drafter-int8": tiny_model()}
+    targets = {"int8": apply_quantize(int8_sensitive(tiny_model()), "int8", tok),
+               "drafter-int8": int8_sensitive(tiny_model())}
     for method, kind in (("d3d", "d3d"), ("ar-draft", "ar"), ("dflash", "dflash")):
         d = method_drafter(method)
         d.cfg.own_embeddings = True  # keep its own (noisy) head: the target's would make it agree too often
@@ -71,6 +86,9 @@ def loaded(tmp_path_factory):
 
     yield load
     torch.set_num_threads(threads)
+
+
+OTHER_MODE = {"int8": "drafter-int8", "drafter-int8": "int8"}  # the int8 target's law vs the fp32 target's
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +121,4 @@ def test_sampling_in_int8_keeps_the_law(loaded, laws, mode, method, params):
     if method != "ar":
         assert sum(n for length, n in rounds.items() if length > 1) > 100  # drafts really were accepted
     assert chi2_pvalue(samples, dist) > 1e-3
+    assert chi2_pvalue(samples, laws(OTHER_MODE[mode], params)) < 1e-6  # the draws can tell int8 from fp32
