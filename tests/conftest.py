@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+from d3d.decoding.engine import generate
 from d3d.runtime.loading import load_target
 from d3d.corpus.prompts import benchmark_prompts, encode_prompt
 from helpers import tiny_model
@@ -49,6 +50,26 @@ def prompt_ids(smol) -> list[list[int]]:
 def short_answer_ids(smol) -> list[int]:
     """A prompt the default target answers in about 8 tokens, ending with EOS."""
     return encode_prompt(smol[1], "What is the capital of France? Answer briefly.")
+
+
+AR_TOKENS = 64
+
+
+@pytest.fixture(scope="session")
+def ar_tokens(smol):
+    """(prompt ids, n) -> the first n tokens of plain greedy decoding of the default target in fp32: one
+    AR_TOKENS-token run per prompt, shared by every test of the worker (greedy decoding's first n tokens are
+    those of any longer run of the same runtime; test_lossless checks it)."""
+    model, tok, _ = smol
+    memo: dict[tuple[int, ...], list[int]] = {}
+
+    def tokens(ids: list[int], n: int) -> list[int]:
+        assert n <= AR_TOKENS, f"ar_tokens holds {AR_TOKENS} tokens per prompt, not {n}"
+        if tuple(ids) not in memo:
+            memo[tuple(ids)] = generate(model, tok, ids, max_new_tokens=AR_TOKENS).token_ids
+        return memo[tuple(ids)][:n]
+
+    return tokens
 
 
 @pytest.fixture(scope="module")

@@ -208,15 +208,14 @@ def test_mismatched_target_is_a_clear_error(tmp_path, smol):
     assert r.stderr.strip().splitlines()[-1].startswith("d3d: error: drafter")
 
 
-def test_d3d_greedy_is_identical_to_ar(smol, prompt_ids):
+def test_d3d_greedy_is_identical_to_ar(smol, prompt_ids, ar_tokens):
     model, tok, model_dir = smol
     d = load_drafter(DEFAULT_DRAFTERS / model_dir.name, model, tok)
     proposer = D3DProposer(d, model.args.vocab_size)
     taus = []
     for ids in prompt_ids[:5]:
-        ar = generate(model, tok, ids, max_new_tokens=64)
         sp = generate(model, tok, ids, max_new_tokens=64, proposer=proposer, block_size=d.block_size)
-        assert sp.token_ids == ar.token_ids
+        assert sp.token_ids == ar_tokens(ids, 64)
         taus.append(sp.tau)
     assert max(taus) > 1.0  # the shipped drafter really drafts (accepted tokens exist)
 
@@ -303,16 +302,15 @@ def test_replayed_acceptance_matches_a_real_run(smol, prompt_ids):
         assert len(replay) == real.rounds
 
 
-def test_d3d_async_greedy_is_identical_to_ar_on_real_prompts(smol, prompt_ids):
+def test_d3d_async_greedy_is_identical_to_ar_on_real_prompts(smol, prompt_ids, ar_tokens):
     from d3d.decoding.async_engine import generate_async
 
     model, tok, model_dir = smol
     d = load_drafter(DEFAULT_DRAFTERS / model_dir.name, model, tok)
     hits, lengths = 0, []
     for ids in prompt_ids[:3]:
-        ar = generate(model, tok, ids, max_new_tokens=48)
         res = generate_async(model, tok, ids, max_new_tokens=48, drafter=d)
-        assert res.token_ids == ar.token_ids
+        assert res.token_ids == ar_tokens(ids, 48)
         assert res.stats["packed_hits"] + res.stats["fallbacks"] == drafted_rounds(res, 48) - 1
         hits, lengths = hits + res.stats["packed_hits"], lengths + res.acceptance_lengths
     assert hits > 0 and max(lengths) >= 2  # packed drafts were used and accepted

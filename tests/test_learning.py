@@ -15,7 +15,7 @@ import torch
 from d3d.bench.harness import WARMUP_PROMPT, forget_history, run_bench
 from d3d.corpus.datastore import MAX_MATCH_LEN, MAX_MATCHES, PROMPT_TAIL, Datastore
 from d3d.corpus.learned import LearnedStore
-from d3d.decoding.engine import GenerationResult, generate
+from d3d.decoding.engine import GenerationResult
 from d3d.errors import D3DError
 from d3d.methods.catalog import make_runner
 from d3d.corpus.prompts import CODE_EDITS, MultiTurn, benchmark_prompts, encode_prompt
@@ -130,7 +130,7 @@ def accepted(res: GenerationResult) -> int:
     return sum(res.acceptance_lengths) - len(res.acceptance_lengths)
 
 
-def test_lookup_tree_learns_from_its_own_generations_and_stays_greedy_identical(smol, prompt_ids):
+def test_lookup_tree_learns_from_its_own_generations_and_stays_greedy_identical(smol, prompt_ids, ar_tokens):
     model, tok, model_dir = smol
     runner = make_runner("lookup-tree", model, tok, model_dir, tree_budget=12, learn_tokens=4096)
     off = make_runner("lookup-tree", model, tok, model_dir, tree_budget=12, learn=False)
@@ -138,27 +138,26 @@ def test_lookup_tree_learns_from_its_own_generations_and_stays_greedy_identical(
     assert off.settings["learn"] is False and off.history is None and not hasattr(off, "forget")
     assert runner.history is not make_runner("lookup-tree", model, tok, model_dir, tree_budget=12).history
     code = encode_prompt(tok, benchmark_prompts("humaneval", 1)[0])
-    ar = generate(model, tok, code, GREEDY, 48)
+    ar = ar_tokens(code, 48)
     first = runner(code, params=GREEDY, max_new_tokens=48)
     for ids in prompt_ids[:2]:  # other generations in between
-        assert runner(ids, params=GREEDY, max_new_tokens=24).token_ids == generate(model, tok, ids, GREEDY, 24).token_ids
+        assert runner(ids, params=GREEDY, max_new_tokens=24).token_ids == ar_tokens(ids, 24)
     second = runner(code, params=GREEDY, max_new_tokens=48)
-    assert first.token_ids == second.token_ids == ar.token_ids
+    assert first.token_ids == second.token_ids == ar
     assert runner.history.generations == 4 and len(runner.history) <= 4096
     assert accepted(second) > accepted(first) + 10  # the first answer was learned
     assert any("learned" in b for b in second.branches) and not any("learned" in b for b in first.branches)
     base = [off(code, params=GREEDY, max_new_tokens=48) for _ in range(2)]  # without learning: the same twice
-    assert base[0].token_ids == ar.token_ids and accepted(base[0]) == accepted(base[1])
+    assert base[0].token_ids == ar and accepted(base[0]) == accepted(base[1])
     assert forget_history(runner) and len(runner.history) == 0
     assert accepted(runner(code, params=GREEDY, max_new_tokens=48)) == accepted(first)  # forgotten
 
 
-def test_d3d_tree_learns_too(smol, short_answer_ids):
+def test_d3d_tree_learns_too(smol, short_answer_ids, ar_tokens):
     model, tok, model_dir = smol
     runner = make_runner("d3d-tree", model, tok, model_dir, tree_budget=16)
-    ar = generate(model, tok, short_answer_ids, GREEDY, 16)
     runs = [runner(short_answer_ids, params=GREEDY, max_new_tokens=16) for _ in range(2)]
-    assert all(r.token_ids == ar.token_ids for r in runs) and runner.history.generations == 2
+    assert all(r.token_ids == ar_tokens(short_answer_ids, 16) for r in runs) and runner.history.generations == 2
     assert any("learned" in b for b in runs[1].branches)
 
 

@@ -146,6 +146,15 @@ def test_garbage_proposer_equals_plain_decoding(smol, cases):
     assert res.rounds >= 20  # nearly every draft rejected
 
 
+def test_a_shorter_plain_run_is_a_prefix_of_a_longer_one(smol, cases, ar_tokens):
+    """What the shared ar_tokens fixture (conftest.py) relies on: n tokens of plain greedy decoding are the
+    first n of any longer run, whatever the cache size the run sets up."""
+    model, tok, _ = smol
+    ids, ar = cases[-1]
+    for n in (3, 29):
+        assert generate(model, tok, ids, GREEDY, n).token_ids == ar.token_ids[:n] == ar_tokens(ids, n)
+
+
 @pytest.mark.parametrize("max_new", [1, 2, 5, 17])
 def test_max_new_tokens_is_exact(smol, cases, max_new):
     model, tok, _ = smol

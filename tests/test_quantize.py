@@ -203,13 +203,11 @@ GREEDY_NEW = 40
 
 
 @pytest.fixture(scope="module")
-def ar_outputs(smol, int8_target, prompt_ids):
+def ar_outputs(int8_target, prompt_ids, ar_tokens):
     """Plain greedy decoding's tokens of GREEDY_PROMPTS, fp32 and int8, computed once for every method."""
-    out = {}
-    for name, (model, tok, model_dir) in (("fp32", smol), ("int8", int8_target)):
-        ar = make_runner("ar", model, tok, model_dir)
-        out[name] = [ar(prompt_ids[i], max_new_tokens=GREEDY_NEW).token_ids for i in GREEDY_PROMPTS]
-    return out
+    ar = make_runner("ar", *int8_target)
+    return {"fp32": [ar_tokens(prompt_ids[i], GREEDY_NEW) for i in GREEDY_PROMPTS],
+            "int8": [ar(prompt_ids[i], max_new_tokens=GREEDY_NEW).token_ids for i in GREEDY_PROMPTS]}
 
 
 def loaded_drafter(model, tok, model_dir, method, quantize_drafter=None):
