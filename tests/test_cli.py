@@ -152,11 +152,13 @@ def test_generate_json():
     assert out["rounds"] == len(out["acceptance_lengths"])
 
 
-def test_bench_report(tmp_path, prompts_file):
+def test_bench_report(tmp_path, prompts_file, capsys):
+    """In this process (test_bench.py runs the bench end to end as a command)."""
+    from d3d.cli import main
+
     out = tmp_path / "sub" / "bench.json"
-    proc = d3d("bench", "--prompts", str(prompts_file), "--methods", "ar,ngram", "--max-new-tokens", "24",
-               "--save-outputs", "--out", str(out), "--threads", "1")
-    assert proc.returncode == 0, proc.stderr
+    assert main(["bench", "--prompts", str(prompts_file), "--methods", "ar,ngram", "--max-new-tokens", "24",
+                 "--save-outputs", "--out", str(out), "--threads", "1"]) == 0
     report = json.loads(out.read_text())
     assert set(report) >= {"machine", "command", "results", "per_prompt"}
     assert set(report["machine"]) >= {"cpu", "cores", "torch", "threads", "device"}
@@ -177,4 +179,4 @@ def test_bench_report(tmp_path, prompts_file):
         assert set(r) >= {"benchmark", "method", "prompt_index", "new_tokens", "rounds", "decode_s", "tau",
                           "token_ids", "text"}
         assert len(r["token_ids"]) == r["new_tokens"]
-    assert "speedup_vs_ar" in proc.stdout  # the printed table
+    assert "speedup_vs_ar" in capsys.readouterr().out  # the printed table
