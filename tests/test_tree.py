@@ -15,7 +15,7 @@ from d3d.decoding.engine import LogprobRecorder, generate
 from d3d.methods.catalog import make_runner
 from d3d.methods.d3d import D3DProposer
 from d3d.decoding.tokentree import Candidate, TokenTree, TreeDraft, compact_cache, tree_logits, tree_mask, tree_positions
-from d3d.methods.ngram import ngram_continuations
+from d3d.methods.ngram import longest_continuations, ngram_continuations
 from d3d.corpus.datastore import shipped_datastore
 from d3d.decoding.tree import generate_tree
 from d3d.methods.tree import TreeProposer
@@ -112,6 +112,21 @@ def test_ngram_continuations_longest_first():
     assert ngram_continuations(tokens, 2, max_matches=3) == [(1, [6, 3]), (1, [8, 7]), (1, [9, 1])]
     tokens = [1, 2, 3, 4, 0, 2, 3, 5, 1, 2, 3]
     assert ngram_continuations(tokens, 2, max_matches=3) == [(3, [4, 0]), (2, [5, 1])]  # no duplicate
+
+
+def test_longest_continuations_rank_by_the_whole_match():
+    """The occurrence that agrees furthest back comes first, not the latest one (the tree methods' n-gram
+    nodes): here the text ends with 4 2 3, which earlier occurred once (followed by 7 8), while 2 3 alone
+    occurred later (followed by 5 6)."""
+    tokens = [4, 2, 3, 7, 8, 1, 2, 3, 5, 6, 9, 4, 2, 3]
+    assert ngram_continuations(tokens, 2, max_matches=2) == [(3, [7, 8]), (2, [5, 6])]
+    assert longest_continuations(tokens, 2, max_matches=2) == [(3, [7, 8]), (2, [5, 6])]
+    tokens = [0, 1, 2, 3, 4, 5, 6, 9, 9, 5, 6, 1, 2, 3, 4, 5, 6]  # a 6-token match beats a latest 2-token one
+    assert ngram_continuations(tokens, 2, max_matches=1) == [(3, [9, 9])]
+    assert longest_continuations(tokens, 2) == [(6, [9, 9]), (2, [1, 2])]
+    assert longest_continuations(tokens, 2, max_match=4) == [(4, [9, 9]), (2, [1, 2])]  # capped at 4
+    assert longest_continuations([1, 2, 5, 1, 2, 6, 1, 2], 2) == [(2, [6, 1]), (2, [5, 1])]  # equal: latest first
+    assert longest_continuations([3], 2) == [] and longest_continuations([3, 3], 2) == [(1, [3])]
 
 
 def test_choose_budget_from_the_cost_curve():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import numpy as np
 import torch
 
 from ..decoding.engine import generate
@@ -81,6 +82,36 @@ def ngram_continuations(tokens: list[int], k: int, max_matches: int = 4, max_ngr
                     out.append((n, list(follow)))
                     if len(out) >= max_matches:
                         return out
+    return out
+
+
+def longest_continuations(tokens: list[int], k: int, max_matches: int = 4, max_match: int = 64
+                          ) -> list[tuple[int, list[int]]]:
+    """Up to `max_matches` distinct continuations (match length, next <= k tokens) of the earlier
+    occurrences of the text's last token, ranked by how far back each occurrence agrees with the text (up
+    to `max_match` tokens), latest first among equals: the longest suffix match, as a suffix tree finds
+    it. In code that restates code, a short n-gram recurs in many places and its latest occurrence is often
+    the wrong one; the longest match picks the place being copied."""
+    text = np.asarray(tokens)
+    last = len(text) - 1
+    ends = np.flatnonzero(text[:last] == text[last])[::-1]  # latest first
+    lengths = np.ones(len(ends), dtype=np.int64)
+    alive = np.ones(len(ends), dtype=bool)
+    for back in range(1, min(max_match, last)):
+        at = ends - back
+        alive &= at >= 0
+        alive[alive] = text[at[alive]] == text[last - back]
+        if not alive.any():
+            break
+        lengths += alive
+    out, seen = [], set()
+    for i in np.argsort(-lengths, kind="stable"):
+        follow = tuple(tokens[ends[i] + 1:ends[i] + 1 + k])
+        if follow and follow not in seen:
+            seen.add(follow)
+            out.append((int(lengths[i]), list(follow)))
+            if len(out) >= max_matches:
+                break
     return out
 
 

@@ -43,10 +43,10 @@ from ..decoding.verify import SamplingParams
 from ..drafters.kinds import D3D
 from ..errors import D3DError
 from .d3d import D3DProposer
-from .ngram import ngram_continuations
+from .ngram import longest_continuations
 from .registry import Method, Runner, Setup, register
 
-NGRAM_CONFIDENCE = {1: 0.35, 2: 0.55, 3: 0.7}  # prior per-token acceptance of an n-gram match of length n
+NGRAM_CONFIDENCE = {1: 0.35, 2: 0.55, 3: 0.7, 6: 0.8, 12: 0.85, 24: 0.9}  # prior per-token acceptance by match length
 RETRIEVAL_CONFIDENCE = {1: 0.3, 2: 0.5, 3: 0.6, 4: 0.7, 6: 0.8, 12: 0.85}  # prior x the share, by match length
 RETRIEVAL_SOURCES = ("datastore", "learned")  # the shipped datastore; the runner's own earlier generations
 PRIOR_WEIGHT = 2.0      # the prior counts as this many observed nodes
@@ -87,7 +87,7 @@ class TreeProposer(Proposer):
     name = "d3d-tree"
 
     def __init__(self, drafter: D3DProposer | None, budget: int = 32, alternatives: int = 2, alt_tail: int = 3,
-                 ngram_matches: int = 4, max_ngram: int = 3, cost: WidthCost | None = None,
+                 ngram_matches: int = 4, cost: WidthCost | None = None,
                  draft_slots: int | None = None, datastore: Datastore | None = None, retrieved: int = 2,
                  history: LearnedStore | None = None):
         if budget < 1:
@@ -96,7 +96,7 @@ class TreeProposer(Proposer):
             raise D3DError(f"draft slots must be in 1..{drafter.drafter.block_size} (got {draft_slots})")
         self.d3d, self.budget, self.alternatives, self.alt_tail = drafter, budget, alternatives, alt_tail
         self.draft_slots = draft_slots
-        self.ngram_matches, self.max_ngram, self.cost = ngram_matches, max_ngram, cost
+        self.ngram_matches, self.cost = ngram_matches, cost
         self.datastore, self.retrieved, self.history = datastore, retrieved, history
         self.params, self.drafted = SamplingParams(), False
 
@@ -170,12 +170,13 @@ class TreeProposer(Proposer):
         """The tree for the round after `tokens` (ending with the pending token), at most k deep."""
         draft = TreeDraft(tokens[-1])
         self.drafted = k > 0 and self.d3d is not None and self.drafting_pays()
-        matches = ngram_continuations(tokens, k, self.ngram_matches, self.max_ngram) if k > 0 else []
+        matches = longest_continuations(tokens, k, self.ngram_matches) if k > 0 else []
         if self.drafted:
             self._add_drafter(draft, d3d_block(self.d3d, tokens, k, self.params, self.alternatives + 1,
                                                  self.draft_slots))
         for rank, (n, follow) in enumerate(matches):
-            keys = [("ngram", min(n, max(NGRAM_CONFIDENCE)), min(rank, 1), min(pos, 2)) for pos in range(len(follow))]
+            bucket = max(b for b in NGRAM_CONFIDENCE if b <= n)
+            keys = [("ngram", bucket, min(rank, 1), min(pos, 2)) for pos in range(len(follow))]
             draft.add(follow, [self.rate(key) for key in keys], "ngram", keys=keys)
         for source, store in zip(RETRIEVAL_SOURCES, (self.datastore, self.history)):
             if k > 0 and store is not None and len(store):
