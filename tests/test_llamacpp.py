@@ -61,6 +61,20 @@ def test_llama_cpp_generates_with_our_result_fields(smol, f32_gguf, short_answer
 
 
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("llama_cpp"), reason="llama-cpp-python not installed")
+def test_llama_cpp_lookup_drafts_and_keeps_llama_cpp_greedy_output(smol, f32_gguf, prompt_ids):
+    """`llama-cpp-lookup`: llama-cpp-python's prompt-lookup drafting on the same F32 file; its rounds are
+    llama.cpp's forwards, several tokens in some, and its greedy output is plain llama.cpp's."""
+    from d3d.methods.llamacpp import LOOKUP_TOKENS
+
+    threads = torch.get_num_threads()
+    plain = LlamaCppRunner(f32_gguf, smol[1], threads=threads)(prompt_ids[0], max_new_tokens=48)
+    res = LlamaCppRunner(f32_gguf, smol[1], threads=threads, lookup=LOOKUP_TOKENS)(prompt_ids[0], max_new_tokens=48)
+    assert res.token_ids == plain.token_ids and set(plain.acceptance_lengths) == {1}
+    assert sum(res.acceptance_lengths) == res.new_tokens - 1 and max(res.acceptance_lengths) >= 3
+    assert res.rounds < plain.rounds
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("llama_cpp"), reason="llama-cpp-python not installed")
 def test_llama_cpp_source_runs_the_gguf_file_the_target_came_from(smol, short_answer_ids):
     """`llama-cpp-source` loads the target's source GGUF as it is (no rewrite in the cache), and refuses
     --quantize like the other methods on a runtime of their own."""

@@ -14,6 +14,7 @@ from d3d.errors import D3DError
 from d3d.runtime.fastpath import PackedLinear, pack_linears
 from d3d.runtime.loading import load_target
 from d3d.methods.catalog import make_runner
+from d3d.methods.registry import BUILTIN, get
 from d3d.runtime.quantize import Int8Linear, apply_quantize
 
 
@@ -210,21 +211,38 @@ def ar_outputs(int8_target, prompt_ids, ar_tokens):
             "int8": [ar(prompt_ids[i], max_new_tokens=GREEDY_NEW).token_ids for i in GREEDY_PROMPTS]}
 
 
+# every built-in method that runs on d3d's runtime (the reference methods run their own), so that a method
+# added later gets its cases at once; those that load a drafter or a draft model also with --quantize-drafter
+SPECULATIVE = [m for m in BUILTIN if m != "ar" and not get(m).own_prefill]
+DRAFTING = [m for m, option in BUILTIN.items() if option]
+
+
+def runner(method, model, tok, model_dir, **kw):
+    """make_runner(method), draft-model with the target's own folder as its draft model (every draft right)."""
+    if method == "suffix":
+        pytest.importorskip("arctic_inference.suffix_decoding", reason="the suffix method's optional package")
+    return make_runner(method, model, tok, model_dir, drafter=str(model_dir) if method == "draft-model" else None, **kw)
+
+
 def loaded_drafter(model, tok, model_dir, method, quantize_drafter=None):
-    """The drafter make_runner built `method` with (Setup.drafter loads one per target, checkpoint and precision)."""
+    """The drafter (or draft model) make_runner built `method` with: Setup.drafter loads one per target,
+    checkpoint and precision; load_draft_model as draft-model's runner does (with runner's folder)."""
     from d3d.drafters.kinds import KINDS
-    from d3d.methods.catalog import drafter_path, get
+    from d3d.methods.catalog import drafter_path
+    from d3d.methods.draftmodel import load_draft_model
     from d3d.methods.registry import Setup
 
+    if method == "draft-model":
+        return load_draft_model(Setup(model, tok, model_dir, model_dir, quantize_drafter=quantize_drafter))
     setup = Setup(model, tok, model_dir, drafter_path(method, model_dir), quantize_drafter=quantize_drafter)
     return setup.drafter(KINDS[get(method).drafter_kind], method)
 
 
-@pytest.mark.parametrize("method", ["ngram", "d3d", "d3d-async", "d3d-tree", "lookup-tree", "ar-draft", "dflash"])
+@pytest.mark.parametrize("method", SPECULATIVE)
 def test_int8_speculative_methods_equal_int8_plain_decoding(int8_target, prompt_ids, ar_outputs, method):
     model, tok, model_dir = int8_target
-    spec = make_runner(method, model, tok, model_dir)
-    if method not in ("ngram", "lookup-tree"):  # the drafter follows the target into int8
+    spec = runner(method, model, tok, model_dir)
+    if method in DRAFTING:  # the drafter follows the target into int8
         assert isinstance(loaded_drafter(model, tok, model_dir, method).layers[0].feed_forward.w13, Int8Linear)
     lengths = []
     for i, want in zip(GREEDY_PROMPTS, ar_outputs["int8"]):
@@ -234,11 +252,11 @@ def test_int8_speculative_methods_equal_int8_plain_decoding(int8_target, prompt_
     assert max(lengths) >= 2  # drafts were accepted: a method that drafts nothing cannot pass
 
 
-@pytest.mark.parametrize("method", ["d3d", "d3d-tree", "d3d-async", "ar-draft", "dflash"])
+@pytest.mark.parametrize("method", DRAFTING)
 def test_an_int8_drafter_on_an_fp32_target_keeps_the_fp32_output(smol, prompt_ids, ar_outputs, method):
     """--quantize-drafter int8: the drafter is int8, the target stays fp32, the output is fp32 `ar`'s."""
     model, tok, model_dir = smol
-    spec = make_runner(method, model, tok, model_dir, quantize_drafter="int8")
+    spec = runner(method, model, tok, model_dir, quantize_drafter="int8")
     drafter = loaded_drafter(model, tok, model_dir, method, quantize_drafter="int8")
     assert isinstance(drafter.layers[0].feed_forward.w13, Int8Linear)
     assert getattr(model, "quantized", None) is None and not isinstance(model.layers[0].feed_forward.w13, Int8Linear)

@@ -28,7 +28,8 @@ def best_method(target: str | Path | None) -> str:
 OWN_RUNTIME = {"hf": ("transformers' own fp32 model", "run it without --quantize"),
                "hf-lookup": ("transformers' own fp32 model", "run it without --quantize"),
                "llama-cpp": ("llama.cpp's own F32 GGUF", "use llama-cpp-q8 for int8"),
-               "llama-cpp-source": ("llama.cpp on the target's source GGUF as it is", "run it without --quantize")}
+               "llama-cpp-source": ("llama.cpp on the target's source GGUF as it is", "run it without --quantize"),
+               "llama-cpp-lookup": ("llama.cpp's own F32 GGUF", "run it without --quantize")}
 
 # baselines' drafters ship beside the D3D one, under the target's name + this suffix
 BASELINE_SUFFIX = {m.name: m.drafter_suffix for m in REGISTRY.values() if m.drafter_suffix}

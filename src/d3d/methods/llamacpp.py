@@ -4,10 +4,13 @@ What a CPU user would run instead of d3d, so that `d3d bench --methods llama-cpp
 beside our numbers. The weights are those of the GGUF file the target was converted from, rewritten
 once in the cache as GGUF F32 (dequantized exactly as transformers dequantized them for our fp32
 checkpoint) or Q8_0 (llama.cpp's int8, requantized from those F32 values); `llama-cpp-source` runs that
-GGUF file as it is (Qwen2.5-Coder-1.5B-Instruct's is Q4_K_M: what llama.cpp users download). llama-cpp-python is an
-optional extra (`pip install -e ".[llamacpp]"`); it builds llama.cpp from source (about 8 minutes on
-2 cores). Every generation runs on one llama.cpp context, one token per forward (no drafting), so tau
-is 1 by construction.
+GGUF file as it is (Qwen2.5-Coder-1.5B-Instruct's is Q4_K_M: what llama.cpp users download), and
+`llama-cpp-lookup` runs the F32 file with llama-cpp-python's prompt-lookup drafting
+(LlamaPromptLookupDecoding: the next LOOKUP_TOKENS tokens after the latest earlier match of the text's
+last 1-2 tokens, verified in one batch). llama-cpp-python is an optional extra
+(`pip install -e ".[llamacpp]"`); it builds llama.cpp from source (about 8 minutes on 2 cores). Every
+generation runs on one llama.cpp context; its rounds are its forwards (llama.cpp's eval calls), so tau
+is 1 without drafting.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from .registry import Method, Setup, register
 from ..decoding.verify import SamplingParams
 
 WEIGHT_TYPES = ("f32", "q8_0")
+LOOKUP_TOKENS = 10  # llama-cpp-python's LlamaPromptLookupDecoding default (transformers' prompt lookup: 10 too)
 
 
 def source_gguf(model_dir: Path) -> Path:
@@ -109,14 +113,25 @@ class LlamaCppRunner:
     Prefill is the first evaluation of the prompt (it yields the first token); decode time runs from
     there to the last token, as for our methods."""
 
-    def __init__(self, gguf_path: Path, tokenizer, threads: int, context: int = 4096):
+    def __init__(self, gguf_path: Path, tokenizer, threads: int, context: int = 4096, lookup: int = 0):
+        """lookup: tokens drafted by prompt lookup per round (0: none)."""
         try:
             from llama_cpp import Llama
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
         except ImportError:
             raise D3DError('the llama-cpp method needs llama-cpp-python: pip install -e ".[llamacpp]" '
                            "(builds llama.cpp from source, about 8 minutes)") from None
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup) if lookup else None
         self.llm = Llama(model_path=str(gguf_path), n_ctx=context, n_threads=threads, n_threads_batch=threads,
-                         verbose=False)
+                         draft_model=draft, verbose=False)
+        self.forwards = 0
+        evaluate = self.llm.eval
+
+        def counted(tokens):  # generate() calls self.eval once per forward (the pending token and its drafts)
+            self.forwards += 1
+            return evaluate(tokens)
+
+        self.llm.eval = counted
         self.tokenizer = tokenizer
         self.gguf_path = Path(gguf_path)
 
@@ -135,12 +150,16 @@ class LlamaCppRunner:
         t_first, reason = t0, None
         if prefill_check is not None:
             self._eval_in_slices(prompt_ids[:-1], prefill_check)
+        counted = self.forwards + 1  # the prompt's forward gives the first token, which is no round
         for token in self.llm.generate(list(prompt_ids), repeat_penalty=1.0, **sampling):
             if not res.token_ids:
                 t_first = time.perf_counter()
-            else:
-                res.acceptance_lengths.append(1)  # one token per forward; the prefill's token is no round
             chunk, reason = stopper.clip(res.token_ids, [token])
+            if res.token_ids and chunk:  # tokens of one forward make one round
+                if self.forwards > counted:
+                    res.acceptance_lengths.append(0)
+                    counted = self.forwards
+                res.acceptance_lengths[-1] += len(chunk)
             res.token_ids += chunk
             if on_round is not None:
                 on_round(chunk, 0)
@@ -160,15 +179,17 @@ class LlamaCppRunner:
         check()
 
 
-def _llama_cpp(weights: str | None):
-    """weights: f32 or q8_0 (the cached rewrite), None for the source GGUF file as it is."""
+def _llama_cpp(weights: str | None, lookup: int = 0):
+    """weights: f32 or q8_0 (the cached rewrite), None for the source GGUF file as it is; lookup: as
+    LlamaCppRunner's."""
     def build(s: Setup) -> LlamaCppRunner:
         import torch
 
         path = source_gguf(s.model_dir) if weights is None else reference_gguf(s.model_dir, weights)
         if weights is None and not gguf_whole(path):
             raise D3DError(f"{path} does not read as a whole GGUF file (truncated or overwritten)")
-        return LlamaCppRunner(path, s.tokenizer, threads=torch.get_num_threads(), context=s.model.args.max_seq_len)
+        return LlamaCppRunner(path, s.tokenizer, threads=torch.get_num_threads(), context=s.model.args.max_seq_len,
+                              lookup=lookup)
     return build
 
 
@@ -179,3 +200,5 @@ LLAMA_CPP_Q8 = register(Method("llama-cpp-q8", _llama_cpp("q8_0"), logprobs=Fals
 LLAMA_CPP_SOURCE = register(Method("llama-cpp-source", _llama_cpp(None), logprobs=False, own_prefill=True,
                                    help="reference: llama.cpp on the GGUF file the target was converted from, "
                                         "as it is (e.g. Q4_K_M)"))
+LLAMA_CPP_LOOKUP = register(Method("llama-cpp-lookup", _llama_cpp("f32", LOOKUP_TOKENS), logprobs=False, own_prefill=True,
+                                   help="reference: llama.cpp on GGUF F32 with prompt-lookup drafting"))
