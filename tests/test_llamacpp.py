@@ -68,10 +68,13 @@ def test_llama_cpp_lookup_drafts_and_keeps_llama_cpp_greedy_output(smol, f32_ggu
 
     threads = torch.get_num_threads()
     plain = LlamaCppRunner(f32_gguf, smol[1], threads=threads)(prompt_ids[0], max_new_tokens=48)
-    res = LlamaCppRunner(f32_gguf, smol[1], threads=threads, lookup=LOOKUP_TOKENS)(prompt_ids[0], max_new_tokens=48)
+    lookup = LlamaCppRunner(f32_gguf, smol[1], threads=threads, lookup=LOOKUP_TOKENS)
+    res = lookup(prompt_ids[0], max_new_tokens=48)
     assert res.token_ids == plain.token_ids and set(plain.acceptance_lengths) == {1}
     assert sum(res.acceptance_lengths) == res.new_tokens - 1 and max(res.acceptance_lengths) >= 3
     assert res.rounds < plain.rounds
+    long = (prompt_ids[0] * 8)[:600]  # past llama.cpp's 512-token batch: llama-cpp-python's logits array must hold it
+    assert 1 <= lookup(long, max_new_tokens=8).new_tokens <= 8
 
 
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("llama_cpp"), reason="llama-cpp-python not installed")

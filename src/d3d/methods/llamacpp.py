@@ -122,8 +122,11 @@ class LlamaCppRunner:
             raise D3DError('the llama-cpp method needs llama-cpp-python: pip install -e ".[llamacpp]" '
                            "(builds llama.cpp from source, about 8 minutes)") from None
         draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup) if lookup else None
+        # with a draft model llama-cpp-python 0.3.36 keeps every position's logits but sizes their array for
+        # n_batch positions unless logits_all is set (a longer text then fails); its pages are touched only
+        # up to the positions a generation reaches
         self.llm = Llama(model_path=str(gguf_path), n_ctx=context, n_threads=threads, n_threads_batch=threads,
-                         draft_model=draft, verbose=False)
+                         draft_model=draft, logits_all=draft is not None, verbose=False)
         self.forwards = 0
         evaluate = self.llm.eval
 
