@@ -240,7 +240,8 @@ def test_an_interrupted_bench_resumes_from_its_journal(tmp_path):
     prompts = {"chat": ["hello", MultiTurn(("first", "second"))], "math": ["1+1"]}
     clean = run_bench(model, tok, runners, prompts, SamplingParams(), 4, progress=False)
 
-    journal, header = tmp_path / "out.json.journal", {"methods": ["ar", "d3d-async"]}
+    journal = tmp_path / "out.json.journal"
+    header = {"methods": ["ar", "d3d-async"], "method_settings": {"lookup-tree": {"tree_width_cost_s": {"1": 0.02}}}}
     calls.clear()
     fail_at[0] = 2 + 5  # two warm-ups, then the 5th measured generation ("second" with ar) is killed
     with pytest.raises(KeyboardInterrupt):
@@ -249,8 +250,9 @@ def test_an_interrupted_bench_resumes_from_its_journal(tmp_path):
         f.write('{"key": "chat/1/1/ar", "res')  # a line torn by the kill
     calls.clear()
     fail_at[0] = None
+    remeasured = {**header, "method_settings": {"lookup-tree": {"tree_width_cost_s": {"1": 0.03}}}}
     resumed = run_bench(model, tok, runners, prompts, SamplingParams(), 4, progress=False, journal=journal,
-                        header=header)
+                        header=remeasured)  # a cost curve measured again is still the same run
     assert resumed["resumed"] == 4
     assert calls[2:] == [("ar", "second"), ("d3d-async", "second"), ("ar", "1+1"), ("d3d-async", "1+1")]
     assert resumed["per_prompt"] == clean["per_prompt"] and resumed["results"] == clean["results"]
@@ -259,6 +261,9 @@ def test_an_interrupted_bench_resumes_from_its_journal(tmp_path):
     with pytest.raises(D3DError, match="other settings or prompts"):
         run_bench(model, tok, runners, prompts, SamplingParams(), 8, progress=False, journal=journal,
                   header={"methods": ["ar"]})
+    with pytest.raises(D3DError, match="other settings or prompts"):
+        run_bench(model, tok, runners, prompts, SamplingParams(), 4, progress=False, journal=journal,
+                  header={**header, "method_settings": {"lookup-tree": {"tree_budget": 8}}})
     with pytest.raises(D3DError, match="other settings or prompts"):
         run_bench(model, tok, runners, {"chat": ["hello"]}, SamplingParams(), 4, progress=False, journal=journal,
                   header=header)

@@ -119,9 +119,19 @@ class RecordedResult(GenerationResult):
                    d["text"], extra={k: v for k, v in d.items() if k not in _BASE_KEYS})
 
 
+MEASURED = ("tree_width_cost_s",)  # settings a method measures when it loads (a cost curve): never equal twice
+
+
+def _settings_only(header: dict) -> dict:
+    """`header` without the MEASURED values, at any depth: what makes two runs the same run."""
+    return {k: _settings_only(v) if isinstance(v, dict) else v for k, v in header.items() if k not in MEASURED}
+
+
 def open_journal(path: Path, header: dict) -> tuple[dict[str, RecordedResult], object]:
     """Read the finished generations of an interrupted run from `path` (a torn last line is dropped) and
-    return them with the journal opened for appending. The journal must have been written with `header`."""
+    return them with the journal opened for appending. The journal must have been written with `header`, up to
+    what the methods measured when they loaded (MEASURED: a resumed tree method measures its cost curve again,
+    and the report records the one of the run that finished)."""
     done: dict[str, RecordedResult] = {}
     if path.exists():
         lines = path.read_text().splitlines()
@@ -129,7 +139,7 @@ def open_journal(path: Path, header: dict) -> tuple[dict[str, RecordedResult], o
             first = json.loads(lines[0]) if lines else None
         except json.JSONDecodeError:
             first = None
-        if first != {"header": header}:
+        if not isinstance(first, dict) or _settings_only(first.get("header") or {}) != _settings_only(header):
             raise D3DError(f"{path} holds an interrupted run with other settings or prompts; "
                            f"delete it or choose another --out")
         for line in lines[1:]:
