@@ -61,16 +61,18 @@ def test_llama_cpp_generates_with_our_result_fields(smol, f32_gguf, short_answer
 
 
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("llama_cpp"), reason="llama-cpp-python not installed")
-def test_llama_cpp_lookup_drafts_and_keeps_llama_cpp_greedy_output(smol, f32_gguf, prompt_ids):
+def test_llama_cpp_lookup_drafts_and_counts_its_rounds(smol, f32_gguf, prompt_ids):
     """`llama-cpp-lookup`: llama-cpp-python's prompt-lookup drafting on the same F32 file; its rounds are
-    llama.cpp's forwards, several tokens in some, and its greedy output is plain llama.cpp's."""
+    llama.cpp's forwards, several tokens in some. llama.cpp verifies drafts in batches whose sums are not its
+    one-token forward's, so its greedy text can leave plain llama.cpp's on a near tie (the bench's lossless
+    column shows where), so only the drafting is checked here."""
     from d3d.methods.llamacpp import LOOKUP_TOKENS
 
     threads = torch.get_num_threads()
     plain = LlamaCppRunner(f32_gguf, smol[1], threads=threads)(prompt_ids[0], max_new_tokens=48)
     lookup = LlamaCppRunner(f32_gguf, smol[1], threads=threads, lookup=LOOKUP_TOKENS)
     res = lookup(prompt_ids[0], max_new_tokens=48)
-    assert res.token_ids == plain.token_ids and set(plain.acceptance_lengths) == {1}
+    assert set(plain.acceptance_lengths) == {1}
     assert sum(res.acceptance_lengths) == res.new_tokens - 1 and max(res.acceptance_lengths) >= 3
     assert res.rounds < plain.rounds
     long = (prompt_ids[0] * 8)[:600]  # past llama.cpp's 512-token batch: llama-cpp-python's logits array must hold it

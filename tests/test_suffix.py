@@ -120,6 +120,10 @@ def test_with_learning_off_a_generation_drafts_as_if_it_were_the_first(tiny):
     assert not off.fn.__self__.proposer.cache.cached_requests
     on.forget()
     assert on(prompt, params=GREEDY, max_new_tokens=30).acceptance_lengths == runs[on][0].acceptance_lengths
+    on.forget()
+    on.learn(prompt, ar.token_ids)  # a resumed bench replays a generation: as if it had run here
+    assert on(prompt, params=GREEDY, max_new_tokens=30).acceptance_lengths == runs[on][1].acceptance_lengths
+    assert not on.fn.__self__.proposer.cache.active_requests
 
 
 @needs_arctic

@@ -22,7 +22,7 @@ methods had already learned).
 A long run resumes: every finished generation is appended to a journal (one JSON line each, flushed),
 and a rerun with the same settings replays the journal instead of generating again; a replayed
 generation is also fed to its own runner's `learn`, so a resumed run learns what the interrupted one
-had (methods without `learn`, e.g. suffix, resume without the replayed generations' history).
+had (suffix too: its runner puts the response in its cache's global tree).
 """
 from __future__ import annotations
 

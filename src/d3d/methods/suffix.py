@@ -162,6 +162,12 @@ class SuffixRunner:
             self.proposer.finish(None if res is None else res.token_ids)
         return res
 
+    def learn(self, prompt_ids: list[int], token_ids: list[int]) -> None:
+        """Put a finished generation's response in the cache's global tree, as if it had been generated here
+        (a resumed bench replays its journal's generations through it)."""
+        self.proposer.reset(prompt_ids)
+        self.proposer.finish(token_ids)
+
     def forget(self) -> None:
         """Evict every earlier response from the cache's global tree."""
         cache = self.proposer.cache
@@ -180,7 +186,7 @@ def _suffix_runner(s: Setup) -> Runner:
     runner = Runner(run.__call__, block_size=budget, tree_budget=budget, use_tree_spec=proposer.use_tree_spec,
                     arctic_inference=arctic_version(), learn=learn, **settings)
     if learn:
-        runner.forget = run.forget
+        runner.forget, runner.learn = run.forget, run.learn
     return runner
 
 
