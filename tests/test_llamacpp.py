@@ -88,6 +88,7 @@ def test_llama_cpp_source_runs_the_gguf_file_the_target_came_from(smol, short_an
 
     runner = make_runner("llama-cpp-source", smol[0], smol[1], smol[2])
     assert runner.fn.gguf_path == source_gguf(smol[2])
+    assert "AVX" in runner.settings["llama_cpp_build"] or "NEON" in runner.settings["llama_cpp_build"]  # what it was built for
     res = runner(short_answer_ids, max_new_tokens=4)
     assert 1 <= res.new_tokens <= 4 and res.tau == 1.0
     with pytest.raises(D3DError, match="^llama-cpp-source runs llama.cpp on the target's source GGUF"):

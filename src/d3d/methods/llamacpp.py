@@ -21,7 +21,7 @@ from pathlib import Path
 from ..atomic import atomic_path
 from ..decoding.engine import PREFILL_CHUNK, GenerationResult, StopChecker
 from ..errors import D3DError, first_line
-from .registry import Method, Setup, register
+from .registry import Method, Runner, Setup, register
 from ..decoding.verify import SamplingParams
 
 WEIGHT_TYPES = ("f32", "q8_0")
@@ -191,8 +191,11 @@ def _llama_cpp(weights: str | None, lookup: int = 0):
         path = source_gguf(s.model_dir) if weights is None else reference_gguf(s.model_dir, weights)
         if weights is None and not gguf_whole(path):
             raise D3DError(f"{path} does not read as a whole GGUF file (truncated or overwritten)")
-        return LlamaCppRunner(path, s.tokenizer, threads=torch.get_num_threads(), context=s.model.args.max_seq_len,
-                              lookup=lookup)
+        run = LlamaCppRunner(path, s.tokenizer, threads=torch.get_num_threads(), context=s.model.args.max_seq_len,
+                             lookup=lookup)
+        from llama_cpp import llama_print_system_info  # importable: the runner was built
+        # what llama.cpp was built for (its SIMD paths): recorded beside our own kernel path
+        return Runner(run, block_size=s.block_size, llama_cpp_build=llama_print_system_info().decode().strip())
     return build
 
 
