@@ -185,7 +185,7 @@ class LlamaCppRunner:
 def _llama_cpp(weights: str | None, lookup: int = 0):
     """weights: f32 or q8_0 (the cached rewrite), None for the source GGUF file as it is; lookup: as
     LlamaCppRunner's."""
-    def build(s: Setup) -> LlamaCppRunner:
+    def build(s: Setup) -> Runner:
         import torch
 
         path = source_gguf(s.model_dir) if weights is None else reference_gguf(s.model_dir, weights)
