@@ -17,26 +17,37 @@ WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 def width_cost_curve(model, widths: tuple[int, ...] = WIDTHS, context: int = 256, repeats: int = 5) -> dict[int, float]:
     """Seconds of one target forward feeding `width` tokens after a cache of `context` tokens, for each
     width: the fastest of `repeats` runs (interference from other work only ever adds time), the widths
-    taking turns so that a busy spell slows them all alike. Every forward is rolled back, so the cache
-    only ever holds the context."""
+    taking turns so that a busy spell slows them all alike. As in decoding, where a round's width is close
+    to the last one's, each timed forward follows an untimed one of the same width, the widths go up
+    within a turn, and a turn starts with a few narrowest forwards: for a few forwards after a wide one a
+    narrow one is slower (measured: an int8 SmolLM2 token 6.5 ms after others like it, 8-11 ms when every
+    width up to 64 took its turn in between, which made trees look cheaper than they are). Every forward
+    is rolled back, so the cache only ever holds the context."""
     device = next(model.parameters()).device
     model.setup_cache(1, context + max(widths) + 1)
     model(torch.zeros(1, context, dtype=torch.long, device=device))
+    widths = tuple(sorted(widths))
     times: dict[int, list[float]] = {w: [] for w in widths}
-    for r in range(repeats + 1):  # the first pass warms up
+
+    def forward(w: int) -> float:
+        t0 = time.perf_counter()
+        model(torch.zeros(1, w, dtype=torch.long, device=device))
+        sync_device(device)
+        seconds = time.perf_counter() - t0
+        model.rollback(context)
+        return seconds
+
+    for _ in range(repeats):
+        for _ in range(3):
+            forward(widths[0])
         for w in widths:
-            feed = torch.zeros(1, w, dtype=torch.long, device=device)
-            t0 = time.perf_counter()
-            model(feed)
-            sync_device(device)
-            if r:
-                times[w].append(time.perf_counter() - t0)
-            model.rollback(context)
+            forward(w)
+            times[w].append(forward(w))
     return {w: min(t) for w, t in times.items()}
 
 
 def measured_curve(model) -> dict[int, float] | None:
-    """width_cost_curve of `model`, measured once per model and thread count (about 2 s on a CPU) and
+    """width_cost_curve of `model`, measured once per model and thread count (a few seconds on a CPU) and
     shared by the methods built on it; None where the model's context is too short to measure it."""
     threads = torch.get_num_threads()
     cached = getattr(model, "_d3d_width_curve", None)
