@@ -209,7 +209,7 @@ def auto_tree(model, proposer: D3DProposer | None, datastore: Datastore | None =
               block_size: int = 16, history: LearnedStore | None = None) -> TreeProposer:
     """A TreeProposer fitted to this device: its budget from choose_budget on the cost curve, the slots the
     drafter drafts from choose_slots, and each round's width chosen by WidthCost.best_width with the
-    drafter's own cost as overhead. Both costs are measured when the method is built (about 2 s on a CPU;
+    drafter's own cost as overhead. Both costs are measured when the method is built (a few seconds on a CPU;
     the curve is shared with `ngram` on the same model), not stored on disk: they move with the runtime,
     the threads and the load. Without a drafter (lookup-tree) only the curve is measured."""
     curve = measured_curve(model) or width_cost_curve(model)
