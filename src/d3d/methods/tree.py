@@ -7,9 +7,10 @@ Each round the proposers add paths to a trie rooted at the pending token; the be
 target at once and verification walks the accepted path, losslessly (d3d.decoding.tokentree states the rule).
 With a cost model the drafter is also skipped in rounds where it has recently not been worth its own
 cost (TreeProposer.drafting_pays), and drafts only its first slots where more would cost more than they
-win (treecost.choose_slots: 4 or 8 of 16 on a 2-core CPU, with the same tau). An n-gram node's chance of
-acceptance is learned per (n, match rank, position in the copy) from the nodes whose parent verification
-reached: the fixed guesses it starts from were 2-3x too high for short matches. A retrieved node's chance
+win (treecost.choose_slots: 4 or 8 of 16 on a 2-core CPU, with the same tau). An n-gram node (from the
+earlier occurrence that agrees furthest back with the text, ngram.longest_continuations) has its chance of
+acceptance learned per (match length, match rank, position in the copy) from the nodes whose parent
+verification reached: the fixed guesses it starts from were 2-3x too high for short matches. A retrieved node's chance
 is learned the same way per (length of the context match, share of the matches that continued with it).
 
 Retrieval that learns (option `learn`, on unless false; `learn_tokens` caps it, default LEARN_TOKENS):
@@ -137,8 +138,8 @@ class TreeProposer(Proposer):
         return self.rates.get(key) or [PRIOR_WEIGHT * prior, PRIOR_WEIGHT]
 
     def rate(self, key: tuple) -> float:
-        """The learned chance that a node labelled `key` = ("ngram", n, rank, position) or ("datastore",
-        match length bucket, share fifth) is accepted once its parent is reached (the NGRAM_CONFIDENCE or
+        """The learned chance that a node labelled `key` = ("ngram", match length bucket, rank, position) or
+        ("datastore", match length bucket, share fifth) is accepted once its parent is reached (the NGRAM_CONFIDENCE or
         RETRIEVAL_CONFIDENCE prior until outcomes come in)."""
         right, tried = self._counts(key)
         return right / tried
