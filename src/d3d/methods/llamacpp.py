@@ -130,11 +130,11 @@ class LlamaCppRunner:
         self.forwards = 0
         evaluate = self.llm.eval
 
-        def counted(tokens):  # generate() calls self.eval once per forward (the pending token and its drafts)
+        def counting_eval(tokens):  # generate() calls self.eval once per forward (the pending token and its drafts)
             self.forwards += 1
             return evaluate(tokens)
 
-        self.llm.eval = counted
+        self.llm.eval = counting_eval
         self.tokenizer = tokenizer
         self.gguf_path = Path(gguf_path)
 
