@@ -1,8 +1,9 @@
 // The C++ kernels' loops without torch, on fixed inputs: prints one line per case, "name hash", where hash
 // is FNV-1a over the output bits. Built once per vector path (and cross-built for aarch64, run under qemu)
 // by tests/test_kernel_paths.py, which checks that every build prints the same lines: the fp32 products
-// (1 to 16 rows, whole and partial k chunks), the int8 products with row quantization, and a layer's
-// row-by-row parts (norm, rotary, attention with and without a mask at head dims 64 and 128, SiLU).
+// (1 to 16 rows, whole and partial k chunks, one row shared out at a half group), the int8 products with
+// row quantization, and a layer's row-by-row parts (norm, rotary, attention with and without a mask at
+// head dims 64 and 128, SiLU).
 // Only IEEE-exact operations are involved (no libm beyond sqrt, fabs and nearbyint), so the lines are the
 // same on every CPU, not only on every path of one CPU.
 #include <cstdint>
@@ -50,6 +51,12 @@ void fp32_products() {
       char name[64];
       std::snprintf(name, sizeof name, "fp32 %lldx%lld", static_cast<long long>(M), static_cast<long long>(K));
       print(name, y);
+      if (M == 1) {  // as two threads share a one-row product of 3 groups: 1.5 groups each
+        std::vector<float> split(N);
+        d3d::fp32::halves(x.data(), K, w.data(), G, bias.data(), split.data(), 0, G);
+        d3d::fp32::halves(x.data(), K, w.data(), G, bias.data(), split.data(), G, 2 * G);
+        print((std::string(name) + " in half groups").c_str(), split);
+      }
     }
   }
 }

@@ -93,6 +93,33 @@ inline void tile_rows(int64_t rows, Args... args) {
   tile<mb, prefetch>(args...);
 }
 
+// One row times outputs 64 g + o .. 64 g + o + 31 (half a group), over all k: for each output the sum that
+// tile<1> takes (from zero, by fused multiply-adds over k in order, + bias). Decoding splits a layer with an
+// odd number of groups between two threads at a half group (halves below) instead of leaving one thread a
+// whole group more: SmolLM2's 576-wide products have 9 groups, 5 against 4.
+inline void half_tile(const float* x, int64_t K, const float* w, int64_t g, int64_t o, const float* bias, float* y) {
+  constexpr int64_t HALF = GROUP / 2;
+  const float* wg = w + g * K * GROUP + o;
+  float* out = y + g * GROUP + o;
+#ifdef D3D_VEC
+  constexpr int64_t nv = HALF / Vec::W;
+  Vec::T acc[nv];
+  for (int64_t j = 0; j < nv; ++j) acc[j] = Vec::zero();
+  for (int64_t k = 0; k < K; ++k) {
+    const Vec::T a = Vec::set1(x[k]);
+    for (int64_t j = 0; j < nv; ++j) acc[j] = Vec::fma(a, Vec::load(wg + k * GROUP + j * Vec::W), acc[j]);
+  }
+  for (int64_t j = 0; j < nv; ++j)
+    Vec::store(out + j * Vec::W, bias ? Vec::add(acc[j], Vec::load(bias + g * GROUP + o + j * Vec::W)) : acc[j]);
+#else
+  for (int64_t l = 0; l < HALF; ++l) {
+    float s = 0.f;
+    for (int64_t k = 0; k < K; ++k) s = std::fma(x[k], wg[k * GROUP + l], s);
+    out[l] = bias ? s + bias[g * GROUP + o + l] : s;
+  }
+#endif
+}
+
 // k steps per pass over a group when several rows share it. AVX-512 covers a group's 64 outputs in one
 // sub-tile, so each row block streams the weights once: whole k. Narrower registers need several sub-tiles
 // per row block, which would read the group once each; in passes of KCHUNK steps (16 KB of weights) all
@@ -123,6 +150,15 @@ inline void groups(const float* xp, int64_t M, int64_t K, const float* wp, int64
         if (lines) tile_rows<true>(mb, xp, K, wp, g, N, m0, bp, yp, k0, k1, pf, lines);
         else tile_rows<false>(mb, xp, K, wp, g, N, m0, bp, yp, k0, k1, pf, lines);
       }
+}
+
+// Half groups h0 .. h1 - 1 (32 outputs each; half group h is outputs 32 h ..) of a one-row product: one
+// thread's share, whole groups where the share has them (groups) and a half group at an odd end.
+inline void halves(const float* xp, int64_t K, const float* wp, int64_t G, const float* bp, float* yp, int64_t h0,
+                   int64_t h1) {
+  if (h0 < h1 && h0 % 2) half_tile(xp, K, wp, h0++ / 2, GROUP / 2, bp, yp);
+  if (h0 < h1 && h1 % 2) half_tile(xp, K, wp, --h1 / 2, 0, bp, yp);
+  if (h0 < h1) groups(xp, 1, K, wp, G, bp, yp, h0 / 2, h1 / 2);
 }
 
 }  // namespace d3d::fp32

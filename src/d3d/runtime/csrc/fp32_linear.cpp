@@ -18,7 +18,10 @@ at::Tensor d3d::fp32_linear(const at::Tensor& x_, const at::Tensor& w, const std
   const float* wp = w.data_ptr<float>();
   const float* bp = bias_.has_value() ? bias_->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) { d3d::fp32::groups(xp, M, K, wp, G, bp, yp, g0, g1); });
+  if (M == 1)  // a decoding step: shared out in half groups, so an odd number of groups splits evenly too
+    at::parallel_for(0, 2 * G, 1, [&](int64_t h0, int64_t h1) { d3d::fp32::halves(xp, K, wp, G, bp, yp, h0, h1); });
+  else
+    at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) { d3d::fp32::groups(xp, M, K, wp, G, bp, yp, g0, g1); });
   auto shape = x_.sizes().vec();
   shape.back() = N;
   return y.view(shape);
