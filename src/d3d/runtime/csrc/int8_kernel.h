@@ -9,6 +9,8 @@
 #include <cstring>
 #include <vector>
 
+#include "vec.h"  // the float path (D3D_AVX512, D3D_AVX2, D3D_NEON), which quantize_row's loops take
+
 #if defined(D3D_SCALAR)
 #elif defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -192,16 +194,81 @@ inline void block_rows(int64_t mb, Args... args) {
   }
 }
 
-// Row m of x (times smooth) as u8 = round(v * (1 / scale)) + 128, scale = max|v| / 127, over Kp slots
-// (padding: 128, i.e. zero). Rounding is to nearest even.
-inline float quantize_row(const float* row, const float* smooth, int64_t K, int64_t Kp, uint8_t* q) {
+// max_k |row[k] (* smooth[k])|: a maximum, so the same in any order; a NaN is passed over, as std::max(peak, v)
+// passes it over.
+inline float abs_peak(const float* row, const float* smooth, int64_t K) {
   float peak = 0.f;
-  for (int64_t k = 0; k < K; ++k) peak = std::max(peak, std::fabs(smooth ? row[k] * smooth[k] : row[k]));
+  int64_t k = 0;
+#if defined(D3D_AVX512)
+  __m512 acc = _mm512_setzero_ps();
+  for (; k + 16 <= K; k += 16) {
+    __m512 v = _mm512_loadu_ps(row + k);
+    if (smooth) v = _mm512_mul_ps(v, _mm512_loadu_ps(smooth + k));
+    acc = _mm512_max_ps(_mm512_abs_ps(v), acc);  // the second operand where the first is NaN
+  }
+  peak = _mm512_reduce_max_ps(acc);
+#elif defined(D3D_AVX2)
+  __m256 acc = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (; k + 8 <= K; k += 8) {
+    __m256 v = _mm256_loadu_ps(row + k);
+    if (smooth) v = _mm256_mul_ps(v, _mm256_loadu_ps(smooth + k));
+    acc = _mm256_max_ps(_mm256_andnot_ps(sign, v), acc);
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, acc);
+  for (float l : lanes) peak = std::max(peak, l);
+#elif defined(D3D_NEON)
+  float32x4_t acc = vdupq_n_f32(0.f);
+  for (; k + 4 <= K; k += 4) {
+    float32x4_t v = vld1q_f32(row + k);
+    if (smooth) v = vmulq_f32(v, vld1q_f32(smooth + k));
+    acc = vmaxnmq_f32(acc, vabsq_f32(v));  // the number where one is NaN
+  }
+  peak = vmaxvq_f32(acc);
+#endif
+  for (; k < K; ++k) peak = std::max(peak, std::fabs(smooth ? row[k] * smooth[k] : row[k]));
+  return peak;
+}
+
+// Row m of x (times smooth) as u8 = round(v * (1 / scale)) + 128, scale = max|v| / 127, over Kp slots
+// (padding: 128, i.e. zero). Rounding is nearbyint's: to nearest even in the default mode, which the vector
+// conversions use too (MXCSR, FPCR), so every path gives the same bytes.
+inline float quantize_row(const float* row, const float* smooth, int64_t K, int64_t Kp, uint8_t* q) {
+  const float peak = abs_peak(row, smooth, K);
   const float s = peak > 0.f ? peak / 127.f : 1.f;
   const float inv = 1.f / s;
-  for (int64_t k = 0; k < K; ++k)
+  int64_t k = 0;
+#if defined(D3D_AVX512)
+  for (; k + 16 <= K; k += 16) {
+    __m512 v = _mm512_loadu_ps(row + k);
+    if (smooth) v = _mm512_mul_ps(v, _mm512_loadu_ps(smooth + k));
+    const __m512i i = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(inv))), _mm512_set1_epi32(128));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(i));
+  }
+#elif defined(D3D_AVX2)
+  for (; k + 8 <= K; k += 8) {
+    __m256 v = _mm256_loadu_ps(row + k);
+    if (smooth) v = _mm256_mul_ps(v, _mm256_loadu_ps(smooth + k));
+    const __m256i i = _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v, _mm256_set1_ps(inv))), _mm256_set1_epi32(128));
+    const __m128i u16 = _mm_packus_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));  // 1..255 fit
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + k), _mm_packus_epi16(u16, u16));
+  }
+#elif defined(D3D_NEON)
+  for (; k + 8 <= K; k += 8) {
+    int16x4_t half[2];
+    for (int64_t h = 0; h < 2; ++h) {
+      float32x4_t v = vld1q_f32(row + k + 4 * h);
+      if (smooth) v = vmulq_f32(v, vld1q_f32(smooth + k + 4 * h));
+      const float32x4_t r = vrndiq_f32(vmulq_f32(v, vdupq_n_f32(inv)));  // integral: the conversion is exact
+      half[h] = vmovn_s32(vaddq_s32(vcvtq_s32_f32(r), vdupq_n_s32(128)));
+    }
+    vst1_u8(q + k, vqmovun_s16(vcombine_s16(half[0], half[1])));
+  }
+#endif
+  for (; k < K; ++k)
     q[k] = uint8_t(int32_t(std::nearbyint((smooth ? row[k] * smooth[k] : row[k]) * inv)) + 128);
-  for (int64_t k = K; k < Kp; ++k) q[k] = 128;
+  for (k = K; k < Kp; ++k) q[k] = 128;
   return s;
 }
 
