@@ -95,6 +95,32 @@ inline float exp_approx(float x) {
   return p * scale;
 }
 
+#ifdef D3D_VEC
+// exp_approx on every lane: the same operations in the same order (the clamps as std::max(x, lo) = lo > x ? lo :
+// x and std::min(x, hi) = hi < x ? hi : x), so the same bits. Written out because compilers vectorize the
+// scalar loops over exp_approx on some paths only (not on AVX2: 6.6 us for a 1536-wide SiLU against 0.96 us
+// on AVX-512).
+inline Vec::T exp_lanes(Vec::T x) {
+  x = Vec::min(Vec::set1(88.f), Vec::max(Vec::set1(-87.f), x));
+  const Vec::T big = Vec::set1(12582912.f);
+  const Vec::T k = Vec::sub(Vec::add(Vec::mul(x, Vec::set1(1.44269504f)), big), big);
+  const Vec::T r = Vec::add(Vec::sub(x, Vec::mul(k, Vec::set1(0.693359375f))), Vec::mul(k, Vec::set1(2.12194440e-4f)));
+  Vec::T p = Vec::set1(1.f / 720);
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = Vec::add(Vec::mul(p, r), Vec::set1(c));
+  return Vec::mul(p, Vec::pow2i(k));
+}
+#endif
+
+// scores[t] = exp_approx(scores[t] - peak) for t < n.
+inline void exp_shifted(float* scores, int64_t n, float peak) {
+  int64_t t = 0;
+#ifdef D3D_VEC
+  for (; t + Vec::W <= n; t += Vec::W)
+    Vec::store(scores + t, exp_lanes(Vec::sub(Vec::load(scores + t), Vec::set1(peak))));
+#endif
+  for (; t < n; ++t) scores[t] = exp_approx(scores[t] - peak);
+}
+
 inline void rms_norm(const float* x, const float* w, int64_t n, float eps, float* out) {
   const float r = 1.f / std::sqrt(dot(x, x, n) / float(n) + eps);
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * r * w[i];
@@ -151,6 +177,43 @@ inline void weighted_sum_any(const float* scores, const int64_t* keys, int64_t n
   weighted_sum<0>(scores, keys, n, vc, D, out);
 }
 
+// scores[t] = dot(q, key t) * scale for the n keys (keys[t], or t itself without a key list), and their maximum.
+// The vector path takes DOT_KEYS keys at a time: each key's sum is dot()'s, but the keys' chains of additions
+// are independent, so they overlap instead of each waiting on its own (one key's 64 products are only 4
+// dependent additions on AVX-512, then the lane reduction).
+inline float scaled_dots(const float* q, const float* kc, const int64_t* keys, int64_t n, int64_t D, float scale,
+                         float* scores) {
+  float peak = -std::numeric_limits<float>::infinity();
+  int64_t t = 0;
+#ifdef D3D_VEC
+  constexpr int64_t DOT_KEYS = 4;
+  if (D % LANES == 0)
+    for (; t + DOT_KEYS <= n; t += DOT_KEYS) {
+      const float* k[DOT_KEYS];
+      Vec::T acc[DOT_KEYS][LANE_REGS];
+      for (int64_t b = 0; b < DOT_KEYS; ++b) {
+        k[b] = kc + (keys ? keys[t + b] : t + b) * D;
+        for (int64_t r = 0; r < LANE_REGS; ++r) acc[b][r] = Vec::zero();
+      }
+      for (int64_t i = 0; i < D; i += LANES)
+        for (int64_t r = 0; r < LANE_REGS; ++r) {
+          const Vec::T qv = Vec::load(q + i + r * Vec::W);
+          for (int64_t b = 0; b < DOT_KEYS; ++b)
+            acc[b][r] = Vec::add(acc[b][r], Vec::mul(qv, Vec::load(k[b] + i + r * Vec::W)));
+        }
+      for (int64_t b = 0; b < DOT_KEYS; ++b) {
+        scores[t + b] = reduce16(acc[b]) * scale;
+        peak = std::max(peak, scores[t + b]);
+      }
+    }
+#endif
+  for (; t < n; ++t) {
+    scores[t] = dot(q, kc + (keys ? keys[t] : t) * D, D) * scale;
+    peak = std::max(peak, scores[t]);
+  }
+  return peak;
+}
+
 // Attention of one query row and head over the keys it may see, in cache order: with a mask row, those
 // it marks; else the causal prefix 0..n_keys - 1. out[D] = softmax(q.k / sqrt(D)) . v.
 inline void attend_row(const float* q, const float* kc, const float* vc, const bool* mask_row, int64_t n_keys,
@@ -163,13 +226,8 @@ inline void attend_row(const float* q, const float* kc, const float* vc, const b
   } else {
     keys = nullptr;
   }
-  const float scale = 1.f / std::sqrt(float(D));
-  float peak = -std::numeric_limits<float>::infinity();
-  for (int64_t t = 0; t < n; ++t) {
-    scores[t] = dot(q, kc + (keys ? keys[t] : t) * D, D) * scale;
-    peak = std::max(peak, scores[t]);
-  }
-  for (int64_t t = 0; t < n; ++t) scores[t] = exp_approx(scores[t] - peak);
+  const float peak = scaled_dots(q, kc, keys, n, D, 1.f / std::sqrt(float(D)), scores);
+  exp_shifted(scores, n, peak);
   const float total = sum(scores, n);
   weighted_sum_any(scores, keys, n, vc, D, out);
   const float inv = n ? 1.f / total : 0.f;
@@ -178,7 +236,15 @@ inline void attend_row(const float* q, const float* kc, const float* vc, const b
 
 // a[j] = SiLU(gate[j]) * up[j] for j < n.
 inline void silu_mul(const float* gate, const float* up, int64_t n, float* a) {
-  for (int64_t j = 0; j < n; ++j) a[j] = gate[j] / (1.f + exp_approx(-gate[j])) * up[j];
+  int64_t j = 0;
+#ifdef D3D_VEC
+  for (; j + Vec::W <= n; j += Vec::W) {
+    const Vec::T g = Vec::load(gate + j);
+    const Vec::T e = exp_lanes(Vec::neg(g));
+    Vec::store(a + j, Vec::mul(Vec::div(g, Vec::add(Vec::set1(1.f), e)), Vec::load(up + j)));
+  }
+#endif
+  for (; j < n; ++j) a[j] = gate[j] / (1.f + exp_approx(-gate[j])) * up[j];
 }
 
 }  // namespace d3d::rows

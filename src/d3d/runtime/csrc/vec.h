@@ -51,13 +51,25 @@ inline const char* kernel_path() {
   static T set1(float a) { return P##_set1_ps(a); }                         \
   static T add(T a, T b) { return P##_add_ps(a, b); }                       \
   static T mul(T a, T b) { return P##_mul_ps(a, b); }                       \
-  static T fma(T a, T b, T c) { return P##_fmadd_ps(a, b, c); }  /* a * b + c, rounded once */
+  static T fma(T a, T b, T c) { return P##_fmadd_ps(a, b, c); }  /* a * b + c, rounded once */   \
+  static T sub(T a, T b) { return P##_sub_ps(a, b); }                       \
+  static T div(T a, T b) { return P##_div_ps(a, b); }                       \
+  static T neg(T a) { return P##_xor_ps(a, P##_set1_ps(-0.f)); }            \
+  static T max(T a, T b) { return P##_max_ps(a, b); }  /* a > b ? a : b */  \
+  static T min(T a, T b) { return P##_min_ps(a, b); }  /* a < b ? a : b */
 
 struct Vec {
 #if defined(D3D_AVX512)
   D3D_X86_VEC(_mm512, __m512, 16)
+  // 2^k for whole k in -126..127 (the exponent field k + 127)
+  static T pow2i(T k) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23));
+  }
 #elif defined(D3D_AVX2)
   D3D_X86_VEC(_mm256, __m256, 8)
+  static T pow2i(T k) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(k), _mm256_set1_epi32(127)), 23));
+  }
 #elif defined(D3D_NEON)
   using T = float32x4_t;
   static constexpr int64_t W = 4;
@@ -68,6 +80,12 @@ struct Vec {
   static T add(T a, T b) { return vaddq_f32(a, b); }
   static T mul(T a, T b) { return vmulq_f32(a, b); }
   static T fma(T a, T b, T c) { return vfmaq_f32(c, a, b); }
+  static T sub(T a, T b) { return vsubq_f32(a, b); }
+  static T div(T a, T b) { return vdivq_f32(a, b); }
+  static T neg(T a) { return vnegq_f32(a); }
+  static T max(T a, T b) { return vmaxq_f32(a, b); }
+  static T min(T a, T b) { return vminq_f32(a, b); }
+  static T pow2i(T k) { return vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(k), vdupq_n_s32(127)), 23)); }
 #endif
 };
 #endif
