@@ -188,5 +188,5 @@ def load_drafter(folder: str | Path, target: Transformer, tokenizer, device: str
     d = pack_linears(d.to(device).eval().requires_grad_(False))
     d = apply_quantize(d, quantize or getattr(target, "quantized", None), tokenizer, batch_invariant=False)
     if type(d) is Drafter:
-        d.pack_cpu_layers()  # one C++ call per layer, fp32 or int8, as the target (DFlash's own forward stays in PyTorch)
+        d.pack_cpu_layers()  # the C++ layers, fp32 or int8, as the target (DFlash's own forward stays in PyTorch)
     return d

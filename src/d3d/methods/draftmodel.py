@@ -91,7 +91,7 @@ def load_draft_model(s: Setup) -> Transformer:
     model = load_runtime(model_dir, s.draft_device or s.device)
     quantize = s.quantize_drafter or getattr(s.model, "quantized", None)
     model = apply_quantize(model, quantize, s.tokenizer, batch_invariant=False)
-    model.pack_cpu_layers()  # one C++ call per layer, fp32 or int8
+    model.pack_cpu_layers()  # the C++ layers, fp32 or int8
     return model
 
 

@@ -7,7 +7,9 @@
 - torch.ops.d3d.fp32_linear(x, packed, bias): fp32 products, each sum over k in order by fused
   multiply-adds, on weights packed [N/64, K, 64] (pack_fp32).
 - torch.ops.d3d.layer(x, params, k_cache, v_cache, inv_freq, positions, mask, start, n_heads, eps): a
-  whole decoder layer of one sequence (csrc/layer.cpp) over either kind of weights (layer_params).
+  whole decoder layer of one sequence (csrc/layer.cpp) over either kind of weights (layer_params);
+  torch.ops.d3d.layers(x, params, k_caches, v_caches, ...) all of a model's layers in one call (params:
+  each layer's in turn), as the target's forward runs them unless it taps hidden states.
 
 Each is built for one vector path (D3D_KERNELS below; csrc/vec.h), and every path gives the same bits.
 In all three a row's result is bitwise the same whatever else is in the call, so a verification pass or

@@ -75,6 +75,6 @@ def load_target(target: str | None = None, device: str = "cpu", max_seq_len: int
     if compile:
         return compile_decode(model), tokenizer, model_dir
     if quantize is None and isinstance(model, Transformer):
-        model.pack_cpu_layers()  # fp32: one C++ call per layer (d3d.runtime.kernels), where they can run
+        model.pack_cpu_layers()  # fp32: the C++ layers (d3d.runtime.kernels), where they can run
     return model, tokenizer, model_dir
 

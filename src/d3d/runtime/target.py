@@ -43,6 +43,7 @@ class Transformer(nn.Module):
         self.compiled_cache: torch.Tensor | None = None
         self.compiled_warm = False  # guards are checked until each graph has been compiled once
         self.cpu_layers: list[list[torch.Tensor]] | None = None  # torch.ops.d3d.layer's weights (pack_cpu_layers)
+        self.cpu_params: list[torch.Tensor] | None = None  # the same, one layer after the other (torch.ops.d3d.layers)
         self.cpu_head: torch.Tensor | None = None  # the LM head packed for fp32_linear
         self.cpu_packed_from: list[tuple[nn.Module, torch.Tensor, int]] = []  # fp32 linears: (module, weight, version)
         # the layer list packed (d3d.drafters.drafter.bypassed swaps it); a weak reference, since a module held as an
@@ -99,10 +100,11 @@ class Transformer(nn.Module):
 
     def pack_cpu_layers(self) -> None:
         """Run this model's forward passes over one sequence (batch 1, with a KV cache, no autograd) as one
-        torch.ops.d3d.layer call per layer, on weights packed for d3d's CPU kernels (d3d.runtime.kernels): every
-        row is computed on its own, so verification rows and token trees are bitwise what one-token
-        decoding steps compute, and the ~25 small ops of a layer run as one C++ call. fp32 weights are
-        copied into the packed layout (and repacked if they change); int8 (d3d.runtime.quantize) are used as they are.
+        torch.ops.d3d.layers call (one torch.ops.d3d.layer per layer where hidden states are tapped), on
+        weights packed for d3d's CPU kernels (d3d.runtime.kernels): every row is computed on its own, so
+        verification rows and token trees are bitwise what one-token decoding steps compute, and the ~25
+        small ops of a layer run in C++. fp32 weights are copied into the packed layout (and repacked if
+        they change); int8 (d3d.runtime.quantize) are used as they are.
         Off the CPU, without the kernels (no compiler) or with weights they cannot take, the PyTorch layers stay."""
         usable = self.tok_embeddings.weight.device.type == "cpu" and kernels_available()
         params = [layer_params(layer) for layer in self.layers] if usable else None
@@ -110,6 +112,7 @@ class Transformer(nn.Module):
             self.drop_cpu_layers()
             return
         self.cpu_layers, self.cpu_layers_of = params, weakref.ref(self.layers)
+        self.cpu_params = [t for layer in params for t in layer]  # torch.ops.d3d.layers's flat list
         fp32 = isinstance(self.output, nn.Linear)
         self.cpu_head = pack_fp32(self.output.weight) if fp32 else None
         linears = [m for m in self.modules() if isinstance(m, nn.Linear)] if fp32 else []
@@ -117,7 +120,7 @@ class Transformer(nn.Module):
 
     def drop_cpu_layers(self) -> None:
         """Run every forward on the PyTorch layers again (compiled graphs trace them; a reference run)."""
-        self.cpu_layers, self.cpu_head, self.cpu_packed_from = None, None, []
+        self.cpu_layers, self.cpu_params, self.cpu_head, self.cpu_packed_from = None, None, None, []
 
     def _cpu_ready(self, batch: int, mask: torch.Tensor | None) -> bool:
         """Whether this forward may run on the CPU layers (pack_cpu_layers): one sequence, a bool mask, the
@@ -172,11 +175,18 @@ class Transformer(nn.Module):
 
     def _cpu_hidden(self, tokens: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, start: int,
                     hidden_layers: list[int] | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """hidden() on the CPU layers (pack_cpu_layers): one torch.ops.d3d.layer call per layer."""
+        """hidden() on the CPU layers (pack_cpu_layers): one torch.ops.d3d.layers call for all of them, or one
+        torch.ops.d3d.layer call per layer where hidden states are tapped."""
         T, a = tokens.shape[1], self.args
         if mask is not None:
             mask = mask.reshape(T, start + T)
         x, taps = self.embed(tokens), []
+        if hidden_layers is None:
+            atts = [layer.attention for layer in self.layers]
+            x = torch.ops.d3d.layers(x, self.cpu_params, [att.k_cache for att in atts], [att.v_cache for att in atts],
+                                     self.inv_freq, positions.reshape(T), mask, start, a.n_heads, a.norm_eps)
+            self.cache_len = start + T
+            return x, taps
         for i, (layer, params) in enumerate(zip(self.layers, self.cpu_layers)):
             att = layer.attention
             x = torch.ops.d3d.layer(x, params, att.k_cache, att.v_cache, self.inv_freq, positions.reshape(T), mask,

@@ -42,6 +42,8 @@ TORCH_LIBRARY(d3d, m) {
   m.def("fp32_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("layer(Tensor x, Tensor[] params, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor inv_freq, "
         "Tensor positions, Tensor? mask, int start, int n_heads, float eps) -> Tensor");
+  m.def("layers(Tensor x, Tensor[] params, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor inv_freq, "
+        "Tensor positions, Tensor? mask, int start, int n_heads, float eps) -> Tensor");
   m.def("kernel_path() -> str", [] { return std::string(d3d::kernel_path()); });
   m.def("int8_path() -> str", [] { return std::string(d3d::int8::int8_path()); });
 }
