@@ -22,9 +22,9 @@ V = 8
 EOS = 7
 
 
-def tiny_args(vocab: int, max_seq_len: int, n_layers: int = 2) -> ModelArgs:
-    """A tiny Llama-like stack: width 32, two heads of 16 sharing one KV head."""
-    return ModelArgs(vocab_size=vocab, dim=32, n_layers=n_layers, n_heads=2, n_kv_heads=1, head_dim=16,
+def tiny_args(vocab: int, max_seq_len: int, n_layers: int = 2, dim: int = 32) -> ModelArgs:
+    """A tiny Llama-like stack: width 32 (or `dim`), two heads of 16 sharing one KV head."""
+    return ModelArgs(vocab_size=vocab, dim=dim, n_layers=n_layers, n_heads=2, n_kv_heads=1, head_dim=16,
                      intermediate_size=64, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=max_seq_len)
 
 
@@ -75,15 +75,26 @@ def tiny_model(noise: float = 0.0) -> Transformer:
     that agrees with it only part of the time."""
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        model = Transformer(tiny_args(V, 64))
+        model = Transformer(tiny_args(V, 64, dim=LAW_DIM))
         model.output.weight.data.add_(noise * torch.randn(model.output.weight.shape))
     model.output.weight.data.mul_(2.5)  # peakier next-token laws, far from uniform
-    return model.eval().requires_grad_(False)
+    return on_cpu_layers(model.eval().requires_grad_(False))
+
+
+LAW_DIM = 64  # every projection a whole number of the C++ layers' 64-output groups (d3d.runtime.kernels.pack_fp32)
+
+
+def on_cpu_layers(model: Transformer) -> Transformer:
+    """`model` on the C++ layers, as d3d loads a target or a drafter on the CPU (PyTorch's layers where the
+    kernels did not build): the tests run what users run, and a tiny forward takes about 0.13 ms there
+    against 0.45 ms in PyTorch's small ops."""
+    model.pack_cpu_layers()
+    return model
 
 
 def tiny_drafter(target: Transformer, block: int = 4) -> Drafter:
     """An untrained D3D drafter copied from the tiny target's layers: right part of the time."""
-    return drafter_from_target(target, StubTokenizer(), "tiny", [0, 1], block).eval().requires_grad_(False)
+    return on_cpu_layers(drafter_from_target(target, StubTokenizer(), "tiny", [0, 1], block).eval().requires_grad_(False))
 
 
 def tiny_datastore(target: Transformer, prompt: list[int], n: int = 24) -> Datastore:
@@ -105,7 +116,7 @@ def tiny_pair(vocab: int, block: int, seed: int = 0, favour: tuple[int, float] |
     accepted at every depth; without it, `peaky` scales the head by 2.5."""
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        target = Transformer(tiny_args(vocab, 128)).eval().requires_grad_(False)
+        target = Transformer(tiny_args(vocab, 128, dim=LAW_DIM)).eval().requires_grad_(False)
         with torch.no_grad():
             if favour is not None:
                 x, _ = target.hidden(torch.randint(vocab, (8, 32)))
@@ -114,7 +125,7 @@ def tiny_pair(vocab: int, block: int, seed: int = 0, favour: tuple[int, float] |
             elif peaky:
                 target.output.weight.mul_(2.5)  # peakier next-token laws, far from uniform
         drafter = drafter_from_target(target, StubTokenizer(vocab, eos=-1), "tiny", [0, 1], block)
-    return target, drafter.eval().requires_grad_(False)
+    return on_cpu_layers(target), on_cpu_layers(drafter.eval().requires_grad_(False))
 
 
 # --------------------------------------------------------------------------------------------

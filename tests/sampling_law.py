@@ -14,7 +14,7 @@ from scipy import stats
 
 from d3d.decoding.engine import generate
 from d3d.decoding.verify import SamplingParams, probs_from_logits, sample
-from helpers import V, StubTokenizer, tiny_datastore, tiny_drafter, tiny_model
+from helpers import V, StubTokenizer, on_cpu_layers, tiny_datastore, tiny_drafter, tiny_model
 
 
 def reference_law(logits: list[float], params: SamplingParams) -> list[float]:
@@ -144,14 +144,14 @@ def method_drafter(method: str):
         return DraftModel(tiny_model(noise=NOISE))
     if method == "ar-draft":
         d = drafter_from_target(tiny_model(noise=NOISE), StubTokenizer(), "tiny", [0, 1], BLOCK_TINY, kind="ar")
-    elif method == "dflash":
+        return on_cpu_layers(d.eval().requires_grad_(False))
+    if method == "dflash":  # its own forward stays in PyTorch, as d3d loads it
         with torch.random.fork_rng():
             torch.manual_seed(5)
             d = drafter_from_target(tiny_model(), StubTokenizer(), "tiny", [0], BLOCK_TINY, kind="dflash",
                                     target_layers=[0, 1])
-    else:
-        return tiny_drafter(tiny_model(noise=NOISE), BLOCK_TINY)
-    return d.eval().requires_grad_(False)
+        return d.eval().requires_grad_(False)
+    return tiny_drafter(tiny_model(noise=NOISE), BLOCK_TINY)
 
 
 def method_runner(method: str, target, drafter):

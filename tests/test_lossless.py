@@ -16,7 +16,7 @@ from d3d.decoding.engine import generate
 from d3d.decoding.proposer import Proposer
 from d3d.methods.catalog import make_runner
 from d3d.decoding.verify import SamplingParams, greedy_tokens, leading_matches, probs_from_logits, sample, verify
-from helpers import EOS, V, StubTokenizer, tiny_drafter, tiny_model
+from helpers import EOS, V, StubTokenizer, on_cpu_layers, tiny_drafter, tiny_model
 from sampling_law import (ASYNC_OPTIONS, BLOCK_TINY, FIRST, MAX_NEW_TINY, N_ALL, NOISE, PARAMS_ID, PROMPT, PROMPT_ALL,
                           TEMP, TOP_K, TOP_P, TRUNCATED, chi2_pvalue, draw, exact_law, method_drafter, method_runner,
                           spec_draw)
@@ -322,8 +322,8 @@ REDUCED_CASES = [("d3d", TEMP), ("d3d-tree", TRUNCATED), ("d3d-async", TRUNCATED
 def reduced_vocab_drafter():
     from d3d.drafters.convert import drafter_from_target
 
-    return drafter_from_target(tiny_model(noise=NOISE), StubTokenizer(), "tiny", [0, 1], BLOCK_TINY,
-                               draft_ids=REDUCED_VOCAB).eval().requires_grad_(False)
+    return on_cpu_layers(drafter_from_target(tiny_model(noise=NOISE), StubTokenizer(), "tiny", [0, 1], BLOCK_TINY,
+                                             draft_ids=REDUCED_VOCAB).eval().requires_grad_(False))
 
 
 @pytest.mark.slow
