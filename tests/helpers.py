@@ -5,8 +5,12 @@ law can be enumerated (sampling_law.py), and the training tests' TINY (32 tokens
 """
 from __future__ import annotations
 
+import importlib.util
+import os
 import random
+import shutil
 
+import pytest
 import torch
 
 from d3d.corpus.data import Example
@@ -20,6 +24,34 @@ from d3d.runtime.target import Transformer
 
 V = 8
 EOS = 7
+
+# --------------------------------------------------------------------------------------------
+# What a test needs beyond README's test command: an optional extra (skipped, naming it) or a system tool
+# (skipped, naming the Debian package; in CI, where .ci/run installs them, a one-line failure instead)
+
+SUFFIX_EXTRA = 'pip install nanobind==2.9.2 cmake && pip install --no-build-isolation -e ".[suffix]"'
+LLAMACPP_EXTRA = 'pip install -e ".[llamacpp]"'
+
+
+def needs_suffix() -> None:
+    """Skip unless the `suffix` method's package (arctic-inference, the `.[suffix]` extra) imports."""
+    pytest.importorskip("arctic_inference.suffix_decoding", reason=f"needs the suffix extra: {SUFFIX_EXTRA}")
+
+
+needs_llama_cpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                                     reason=f"needs the llamacpp extra (builds llama.cpp): {LLAMACPP_EXTRA}")
+
+
+def system_tool(*names: str, package: str) -> str:
+    """The path of the first of `names` on PATH. Missing: a skip that says which Debian package to install, or
+    in CI (CI set, as .ci/run runs) a one-line failure that says the same, so that CI never skips it silently."""
+    found = next((path for path in map(shutil.which, names) if path), None)
+    if found is None:
+        msg = f"needs {names[0]}: apt-get install {package}"
+        if os.environ.get("CI"):
+            pytest.fail(f"{msg} (.ci/run installs it)", pytrace=False)
+        pytest.skip(msg)
+    return found
 
 
 def tiny_args(vocab: int, max_seq_len: int, n_layers: int = 2, dim: int = 32) -> ModelArgs:

@@ -269,6 +269,53 @@ def test_an_interrupted_bench_resumes_from_its_journal(tmp_path):
                   header=header)
 
 
+def test_a_repeated_bench_reports_the_median_of_its_runs(tmp_path):
+    """--repeat 3: the interleaved run made three times, each row's figures the median of the runs' (each run's
+    speedup against its own ar), the per-prompt records tagged with their run, a killed run resumed."""
+    from d3d.bench.report import pooled
+
+    tok = ChatTokenizer()
+    model = SimpleNamespace(args=SimpleNamespace(max_seq_len=4096))
+    calls, kill_at, plan = [], [None], {}
+
+    def runner(name):
+        def run(ids, params, max_new_tokens):
+            if len(calls) == kill_at[0]:
+                raise KeyboardInterrupt
+            calls.append(name)
+            r = _res([1, 2, 3, 4], [1, 1, 1] if name == "ar" else [2, 1], plan[name].pop(0))  # decode seconds
+            r.text = "reply"
+            return r
+        return run
+
+    runners = {"ar": runner("ar"), "ngram": runner("ngram")}
+    prompts = {"chat": ["hello", "again"]}
+    plan.update(ar=[0.3] * 7, ngram=[0.1] + [0.1, 0.1, 0.3, 0.3, 0.15, 0.15])  # a warm-up, then 3 runs x 2 prompts
+    out = run_bench(model, tok, runners, prompts, SamplingParams(), 4, progress=False, repeat=3)
+    assert calls == ["ar", "ngram"] * 7  # one warm-up, then each run interleaved per prompt
+    row = {r["method"]: r for r in out["results"]}["ngram"]
+    assert row["runs"]["speedup_vs_ar"] == pytest.approx([3.0, 1.0, 2.0])
+    assert row["speedup_vs_ar"] == pytest.approx(2.0)  # the median run, not the pooled 1.8 / 1.1
+    assert row["tokens_per_s"] == pytest.approx(20.0) and row["new_tokens"] == 24 and row["lossless"] is True
+    assert [p["run"] for p in out["per_prompt"]] == [0] * 4 + [1] * 4 + [2] * 4
+    assert pooled(out)["ngram"]["speedup_vs_ar"] == pytest.approx(2.0)
+
+    journal = tmp_path / "out.json.journal"
+    calls.clear()
+    kill_at[0] = 2 + 5  # after the warm-ups and 5 measured generations (run 0, then run 1's first ar)
+    plan.update(ar=[0.3] * 7, ngram=[0.1] + [0.1, 0.1, 0.3, 0.3, 0.15, 0.15])
+    with pytest.raises(KeyboardInterrupt):
+        run_bench(model, tok, runners, prompts, SamplingParams(), 4, progress=False, journal=journal, repeat=3)
+    calls.clear()
+    kill_at[0] = None
+    plan.update(ar=[0.3] * 4, ngram=[0.1] + [0.3, 0.3, 0.15, 0.15])  # what is still to run
+    resumed = run_bench(model, tok, runners, prompts, SamplingParams(), 4, progress=False, journal=journal, repeat=3)
+    assert resumed["resumed"] == 5 and resumed["results"] == out["results"]
+    assert resumed["per_prompt"] == out["per_prompt"]
+    with pytest.raises(D3DError, match="--repeat"):
+        run_bench(model, tok, runners, prompts, SamplingParams(), 4, progress=False, repeat=0)
+
+
 # ---------------------------------------------------------------- report
 
 def _fixture_report() -> dict:

@@ -35,6 +35,7 @@ EARLY_ERRORS = [
     (("generate", ""), "empty prompt"),
     (("generate", "   "), "empty prompt"),
     (("generate", "hi", "--max-new-tokens", "0"), "max-new-tokens"),
+    (("bench", "--quick", "--repeat", "0", "--out", "{tmp}/r.json"), "--repeat must be >= 1"),
     (("generate", "hi", "--method", "nope"), "unknown method"),
     (("generate", "hi", "--temperature", "-1"), "temperature"),
     (("generate", "hi", "--top-p", "0"), "top-p"),

@@ -23,7 +23,7 @@ from d3d.drafters.files import save_drafter
 from d3d.runtime.quantize import Int8Linear, apply_quantize
 from d3d.drafters.kinds import KINDS
 from d3d.methods.registry import BUILTIN, Setup, get
-from helpers import EOS, StubTokenizer, tiny_model
+from helpers import EOS, StubTokenizer, needs_suffix, tiny_model
 from sampling_law import (FIRST, N_ALL, PARAMS_ID, PROMPT_ALL, TEMP, TRUNCATED, chi2_pvalue, draw, exact_law,
                           method_drafter, method_runner)
 
@@ -110,7 +110,7 @@ def laws(loaded):
 @pytest.mark.parametrize("mode,method,params", CASES, ids=[f"{mode}-{m}-{PARAMS_ID[id(p)]}" for mode, m, p in CASES])
 def test_sampling_in_int8_keeps_the_law(loaded, laws, mode, method, params):
     if method == "suffix":
-        pytest.importorskip("arctic_inference.suffix_decoding", reason="the suffix method's optional package")
+        needs_suffix()
     target, drafter = loaded(mode, method)
     assert getattr(target, "quantized", None) == ("int8" if mode == "int8" else None)
     if drafter is not None:  # the drafter really runs in int8, in either mode

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from d3d.runtime.kernels import cpu_flags, kernel_path, requested_path
+from d3d.runtime.kernels import cpu_flags, cpu_model, kernel_path, requested_path
 
 SCRIPT = Path(__file__).with_name("kernel_outputs.py")
 
@@ -79,7 +79,7 @@ def test_a_cpu_with_a_vector_path_never_runs_the_plain_loops():
         pytest.skip("D3D_KERNELS forces a path")
     paths = runnable_paths()
     expected = paths[0] if paths else "pytorch"  # no vector path: the fp32 layers stay on PyTorch
-    assert kernel_path() == expected, f"this CPU ({platform.processor()}) runs {kernel_path()}, not {expected}"
+    assert kernel_path() == expected, f"this CPU ({cpu_model()}) runs {kernel_path()}, not {expected}"
 
 
 def test_an_unknown_or_unrunnable_path_is_a_one_line_error(monkeypatch):
@@ -131,7 +131,7 @@ def test_the_kernel_loops_give_the_plain_loops_bits_without_torch(path, referenc
 def test_the_avx_vnni_int8_products_give_the_plain_loops_bits(reference_lines, tmp_path):
     """CPUs with AVX-VNNI but no AVX-512 (Intel's from Alder Lake on) run vpdpbusd on 256-bit registers."""
     if "avx_vnni" not in cpu_flags():
-        pytest.skip(f"this CPU ({platform.processor()}) has no AVX-VNNI")
+        pytest.skip(f"this CPU ({cpu_model()}) has no AVX-VNNI")
     lines = harness_lines("g++", ["-march=native", "-mno-avx512f"], tmp_path / "avx-vnni")
     assert lines[:2] == ["path avx2", "int8 avx-vnni"]
     assert lines[2:] == reference_lines
@@ -143,13 +143,12 @@ def test_aarch64_builds_give_the_same_bits_under_qemu(build, reference_lines, tm
     """The NEON path (and aarch64's plain loops) cross-built and run under qemu-user: the same lines as
     this machine's plain loops, since the kernels use only IEEE-exact operations. .ci/run installs the
     cross compiler and qemu (Debian's g++-aarch64-linux-gnu and qemu-user)."""
-    import shutil
+    from helpers import system_tool
 
     if platform.machine() in ("aarch64", "arm64"):
         pytest.skip("this machine is aarch64: the native paths above cover it")
-    missing = [tool for tool in ("aarch64-linux-gnu-g++", "qemu-aarch64") if not shutil.which(tool)]
-    if missing and not os.environ.get("CI"):
-        pytest.skip(f"needs {' and '.join(missing)} (apt-get install g++-aarch64-linux-gnu qemu-user)")
+    system_tool("aarch64-linux-gnu-g++", package="g++-aarch64-linux-gnu")
+    system_tool("qemu-aarch64", package="qemu-user")
     lines = harness_lines("aarch64-linux-gnu-g++", [*CROSS[build], "-static"], tmp_path / "harness",
                           runner=["qemu-aarch64", "-cpu", "max"])
     assert lines[:2] == [f"path {build.split('+')[0]}", f"int8 {'neon-dotprod' if '+' in build else 'scalar'}"]

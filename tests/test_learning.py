@@ -23,7 +23,7 @@ from d3d.methods.registry import Runner
 from d3d.decoding.tree import generate_tree
 from d3d.methods.tree import TreeProposer
 from d3d.decoding.verify import SamplingParams
-from helpers import EOS, V, ChatTokenizer, StubTokenizer, tiny_model
+from helpers import EOS, V, ChatTokenizer, StubTokenizer, needs_suffix, tiny_model
 from sampling_law import chi2_pvalue, draw, exact_law
 
 GREEDY = SamplingParams()
@@ -263,7 +263,7 @@ def test_a_real_bench_leaves_each_learning_method_only_its_measured_outputs(smol
 
 
 def test_the_bench_empties_the_suffix_cache_after_the_warm_up(smol):
-    pytest.importorskip("arctic_inference.suffix_decoding")
+    needs_suffix()
     model, tok, model_dir = smol
     runners = {"ar": make_runner("ar", model, tok, model_dir), "suffix": make_runner("suffix", model, tok, model_dir)}
     cache = runners["suffix"].fn.__self__.proposer.cache

@@ -9,7 +9,7 @@ import torch
 
 from d3d.errors import D3DError
 from d3d.methods.llamacpp import LlamaCppRunner, gguf_whole, reference_gguf
-from helpers import check_raising_after, sliced_prompt
+from helpers import check_raising_after, needs_llama_cpp, sliced_prompt
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def test_unknown_weight_type_and_missing_package_are_clear_errors(smol, monkeypa
         LlamaCppRunner(smol[2] / "x.gguf", smol[1], threads=1)
 
 
-@pytest.mark.skipif(not __import__("importlib").util.find_spec("llama_cpp"), reason="llama-cpp-python not installed")
+@needs_llama_cpp
 def test_llama_cpp_generates_with_our_result_fields(smol, f32_gguf, short_answer_ids):
     runner = LlamaCppRunner(f32_gguf, smol[1], threads=torch.get_num_threads())
     res = runner(short_answer_ids, max_new_tokens=8)
@@ -60,7 +60,7 @@ def test_llama_cpp_generates_with_our_result_fields(smol, f32_gguf, short_answer
     assert res.finish_reason in ("eos", "length") and res.text
 
 
-@pytest.mark.skipif(not __import__("importlib").util.find_spec("llama_cpp"), reason="llama-cpp-python not installed")
+@needs_llama_cpp
 def test_llama_cpp_lookup_drafts_and_counts_its_rounds(smol, f32_gguf, prompt_ids):
     """`llama-cpp-lookup`: llama-cpp-python's prompt-lookup drafting on the same F32 file; its rounds are
     llama.cpp's forwards, several tokens in some. llama.cpp verifies drafts in batches whose sums are not its
@@ -79,7 +79,7 @@ def test_llama_cpp_lookup_drafts_and_counts_its_rounds(smol, f32_gguf, prompt_id
     assert 1 <= lookup(long, max_new_tokens=8).new_tokens <= 8
 
 
-@pytest.mark.skipif(not __import__("importlib").util.find_spec("llama_cpp"), reason="llama-cpp-python not installed")
+@needs_llama_cpp
 def test_llama_cpp_source_runs_the_gguf_file_the_target_came_from(smol, short_answer_ids):
     """`llama-cpp-source` loads the target's source GGUF as it is (no rewrite in the cache), and refuses
     --quantize like the other methods on a runtime of their own."""
@@ -95,7 +95,7 @@ def test_llama_cpp_source_runs_the_gguf_file_the_target_came_from(smol, short_an
         check_quantize("int8", ["llama-cpp-source"])
 
 
-@pytest.mark.skipif(not __import__("importlib").util.find_spec("llama_cpp"), reason="llama-cpp-python not installed")
+@needs_llama_cpp
 def test_llama_cpp_prompt_in_checked_slices(smol, f32_gguf, prompt_ids):
     """With prefill_check (d3d serve), llama.cpp evaluates the prompt in PREFILL_CHUNK-token slices with the
     check before each and generate() finds them cached: the same answer; a check that raises stops it and

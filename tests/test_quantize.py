@@ -16,6 +16,7 @@ from d3d.runtime.loading import load_target
 from d3d.methods.catalog import make_runner
 from d3d.methods.registry import BUILTIN, get
 from d3d.runtime.quantize import Int8Linear, apply_quantize
+from helpers import needs_suffix
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +221,7 @@ DRAFTING = [m for m, option in BUILTIN.items() if option]
 def runner(method, model, tok, model_dir, **kw):
     """make_runner(method), draft-model with the target's own folder as its draft model (every draft right)."""
     if method == "suffix":
-        pytest.importorskip("arctic_inference.suffix_decoding", reason="the suffix method's optional package")
+        needs_suffix()
     return make_runner(method, model, tok, model_dir, drafter=str(model_dir) if method == "draft-model" else None, **kw)
 
 

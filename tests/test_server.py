@@ -880,10 +880,9 @@ class Chromium:
 
 @pytest.mark.slow
 def test_web_page_in_headless_chromium(env, tmp_path):
-    binary = shutil.which("chromium") or shutil.which("chromium-browser")
-    if binary is None:
-        assert not os.environ.get("CI"), "chromium is missing in CI: .ci/run installs the Debian package"
-        pytest.skip("chromium is not installed (.ci/run installs the Debian package)")
+    from helpers import system_tool
+
+    binary = system_tool("chromium", "chromium-browser", package="chromium")
     server, refs, _ = env
     browser = Chromium(binary, tmp_path / "profile")
     try:

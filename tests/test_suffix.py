@@ -18,7 +18,7 @@ from d3d.corpus.prompts import encode_prompt
 from d3d.methods.registry import REGISTRY
 from d3d.methods.suffix import SUFFIX_DEFAULTS, SuffixProposer, SuffixRunner, suffix_cache
 from d3d.decoding.verify import SamplingParams
-from helpers import EOS, StubTokenizer, tiny_model
+from helpers import EOS, SUFFIX_EXTRA, StubTokenizer, tiny_model
 from sampling_law import chi2_pvalue, draw, exact_law, no_residual_update
 
 try:
@@ -26,9 +26,7 @@ try:
     MISSING = None
 except ImportError as e:
     MISSING = str(e)
-needs_arctic = pytest.mark.skipif(
-    MISSING is not None, reason=f"arctic-inference is not importable ({MISSING}); install it with "
-    'pip install nanobind==2.9.2 cmake && pip install --no-build-isolation -e ".[suffix]"')
+needs_arctic = pytest.mark.skipif(MISSING is not None, reason=f"needs the suffix extra ({MISSING}): {SUFFIX_EXTRA}")
 
 GREEDY = SamplingParams()
 PROMPT = [1, 2, 3, 1, 2]

@@ -30,6 +30,7 @@ import json
 import os
 import platform
 import subprocess
+from statistics import median
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -223,7 +224,7 @@ def _turns(item: BenchItem) -> list[str]:
 def run_bench(model, tokenizer, runners: dict[str, Runner], prompts: dict[str, list[BenchItem]],
               params: SamplingParams, max_new_tokens: int, raw: bool = False, save_outputs: bool = False,
               block_size: int = 16, progress: bool = True, journal: Path | None = None,
-              header: dict | None = None) -> dict:
+              header: dict | None = None, repeat: int = 1) -> dict:
     """Run every runner on every prompt of every benchmark; returns {"results": [...], "per_prompt": [...],
     "resumed": number of generations replayed from `journal`}.
 
@@ -231,9 +232,13 @@ def run_bench(model, tokenizer, runners: dict[str, Runner], prompts: dict[str, l
     a measured prompt, see the module doc). With a seed, measured prompt i of a benchmark is sampled
     with seed + i for every method, so methods see the same random streams per prompt. With `journal`,
     finished generations are recorded there and replayed on a rerun whose `header` (settings) matches.
+    With repeat = N the whole interleaved run is made N times in a row, and each result row holds the
+    median of the N runs' figures (median_of_runs): one run on a shared machine can be 10% off.
     """
     if "ar" not in runners:
         raise D3DError("the benchmark needs the 'ar' method as its reference")
+    if repeat < 1:
+        raise D3DError(f"--repeat must be >= 1 (got {repeat})")
     methods = ["ar"] + [m for m in runners if m != "ar"]
     # every prompt must fit before anything runs; a later turn is checked with room for the earlier answers
     for items in prompts.values():
@@ -251,10 +256,12 @@ def run_bench(model, tokenizer, runners: dict[str, Runner], prompts: dict[str, l
     for m in methods:  # warm-up (allocations, lazy init), not recorded, on a prompt no benchmark measures
         runners[m](warmup, params=params, max_new_tokens=min(max_new_tokens, 8))
 
-    total = sum(len(_turns(item)) for items in prompts.values() for item in items) * len(methods)
+    total = sum(len(_turns(item)) for items in prompts.values() for item in items) * len(methods) * repeat
     bar = tqdm(total=total, initial=len(done), desc="bench", unit="gen", disable=not progress)
-    results, per_prompt = [], []
-    for benchmark, items in prompts.items():
+
+    def one_benchmark(benchmark: str, items: list[BenchItem], run: int | None) -> dict[str, list[GenerationResult]]:
+        """One benchmark of one run, interleaved per prompt; each generation is journalled, or replayed from
+        `done`, and recorded in `per_prompt` (with its run's index when the bench repeats)."""
         for m in methods:  # a benchmark is one stream: nothing learned from the warm-up or earlier benchmarks
             forget_history(runners[m])
         outs: dict[str, list[GenerationResult]] = {m: [] for m in methods}
@@ -269,7 +276,7 @@ def run_bench(model, tokenizer, runners: dict[str, Runner], prompts: dict[str, l
                 p = SamplingParams(params.temperature, params.top_k, params.top_p, seed)
                 multi = (item_index, t + 1) if isinstance(item, MultiTurn) else (None, None)
                 for m in methods:
-                    key = f"{benchmark}/{item_index}/{t}/{m}"
+                    key = f"{benchmark}/{item_index}/{t}/{m}" + (f"/run{run}" if run else "")
                     r = done.get(key)
                     if r is None:
                         r = runners[m](ids, params=p, max_new_tokens=max_new_tokens)
@@ -280,18 +287,46 @@ def run_bench(model, tokenizer, runners: dict[str, Runner], prompts: dict[str, l
                     elif callable(getattr(runners[m], "learn", None)):  # replayed: learn it as if generated
                         runners[m].learn(ids, r.token_ids)
                     outs[m].append(r)
-                    per_prompt.append(_prompt_row(benchmark, m, i, r, save_outputs, *multi))
+                    row = _prompt_row(benchmark, m, i, r, save_outputs, *multi)
+                    per_prompt.append(row if run is None else row | {"run": run})
                     bar.set_postfix_str(f"{benchmark} {m} tau={r.tau:.2f}")
                 if t + 1 < len(turns):  # the next turn sees the target's own greedy answer
                     answer = outs["ar"][-1] if params.greedy else \
                         runners["ar"](ids, params=SamplingParams(), max_new_tokens=max_new_tokens)
                     chat.append({"role": "assistant", "content": answer.text})
                 i += 1
-        results += [_summary(benchmark, m, outs[m], outs["ar"], params.greedy, block_size) for m in methods]
+        return outs
+
+    runs, per_prompt = [], []
+    for run in range(repeat):
+        rows = []
+        for benchmark, items in prompts.items():
+            outs = one_benchmark(benchmark, items, run if repeat > 1 else None)
+            rows += [_summary(benchmark, m, outs[m], outs["ar"], params.greedy, block_size) for m in methods]
+        runs.append(rows)
     bar.close()
     if log is not None:
         log.close()
+    results = runs[0] if repeat == 1 else [median_of_runs(rows) for rows in zip(*runs)]
     return {"results": results, "per_prompt": per_prompt, "resumed": len(done)}
+
+
+MEDIAN_KEYS = ("tau", "tokens_per_s", "tpot_s", "ttft_ms", "speedup_vs_ar")
+
+
+def median_of_runs(rows: tuple[dict, ...]) -> dict:
+    """One benchmark x method row of a repeated bench: the median of each run's tau, tokens/s, time per
+    token, time to first token and speedup (each run's speedup is against that run's own `ar`), the runs'
+    values listed under "runs"; lossless only if every run was; new tokens and the tau histogram add up."""
+    row = dict(rows[0])
+    row.update({k: round(median([r[k] for r in rows]), 6) for k in MEDIAN_KEYS})
+    row["runs"] = {k: [r[k] for r in rows] for k in MEDIAN_KEYS}
+    lossless = [r["lossless"] for r in rows]
+    row["lossless"] = None if None in lossless else all(lossless)
+    row["new_tokens"] = sum(r["new_tokens"] for r in rows)
+    hists = [r["tau_histogram"] for r in rows]
+    row["tau_histogram"] = [sum(h[k] for h in hists if k < len(h)) for k in range(max(map(len, hists)))]
+    return row
 
 
 def _fingerprint(prompts: dict[str, list[BenchItem]]) -> dict[str, str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from statistics import median
 
 from ..errors import D3DError
 
@@ -65,21 +66,30 @@ def _pooled_from_prompts(prompts: list[dict]) -> tuple[float, float]:
 def pooled(report: dict) -> dict[str, dict[str, float]]:
     """Per method: tau, tokens/s and speedup over every generation of every benchmark it ran on, pooled
     as the bench pools one benchmark's (d3d.bench.harness._summary); the speedup is against `ar` pooled over the
-    same benchmarks. Files without per-prompt records fall back to arithmetic means over benchmarks."""
+    same benchmarks. A repeated bench (per-prompt records with a "run") gives the median over its runs of each
+    run's pooled figures, as its rows do (d3d.bench.harness.median_of_runs). Files without per-prompt records
+    fall back to arithmetic means over benchmarks."""
     per_prompt = report.get("per_prompt") or []
+    runs = sorted({p["run"] for p in per_prompt if "run" in p})
     out = {}
     for m in _methods(report):
         rows = [r for r in report["results"] if r["method"] == m]
-        mine = [p for p in per_prompt if p["method"] == m]
         benches = {r["benchmark"] for r in rows}
+        mine = [p for p in per_prompt if p["method"] == m]
         ar = [p for p in per_prompt if p["method"] == "ar" and p["benchmark"] in benches]
         if not mine or (m != "ar" and not ar):
             out[m] = {k: sum(r[k] for r in rows) / len(rows) for k in ("tau", "speedup_vs_ar", "tokens_per_s")}
             continue
-        tau, tpot = _pooled_from_prompts(mine)
-        speedup = 1.0 if m == "ar" else _pooled_from_prompts(ar)[1] / tpot
-        out[m] = {"tau": tau, "tokens_per_s": 1 / tpot, "speedup_vs_ar": speedup}
+        figures = [_pooled_figures(m, [p for p in mine if p.get("run") == run], [p for p in ar if p.get("run") == run])
+                   for run in runs or [None]]
+        out[m] = {k: median(f[k] for f in figures) for k in figures[0]}
     return out
+
+
+def _pooled_figures(method: str, mine: list[dict], ar: list[dict]) -> dict[str, float]:
+    tau, tpot = _pooled_from_prompts(mine)
+    speedup = 1.0 if method == "ar" else _pooled_from_prompts(ar)[1] / tpot
+    return {"tau": tau, "tokens_per_s": 1 / tpot, "speedup_vs_ar": speedup}
 
 
 def markdown_table(report: dict) -> str:

@@ -104,6 +104,8 @@ def _bench(sub) -> None:
     p.add_argument("--out", required=True, help="output JSON file (an interrupted run resumes from OUT.journal)")
     p.add_argument("--cost-curve", action="store_true",
                    help="first measure one target forward vs its width (1-64 tokens) and record it")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="make the whole interleaved run N times and report each figure's median over the runs")
     p.add_argument("--quick", action="store_true",
                    help=f"smoke run: {QUICK_LIMIT} prompt per benchmark, {QUICK_NEW_TOKENS} new tokens "
                         f"(unless --limit / --max-new-tokens say otherwise)")

@@ -121,6 +121,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     args.max_new_tokens = 128 if args.max_new_tokens is None else args.max_new_tokens
     params = sampling(args)
     check_budget(args.max_new_tokens, args.block_size)
+    if args.repeat < 1:
+        raise D3DError(f"--repeat must be >= 1 (got {args.repeat})")
     options = method_options(args)
     check_device(args.device)
     check_drafter(args.drafter)
@@ -151,7 +153,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
                 **({"drafters": named} if named else {}), **({"datastores": stores} if stores else {}),
                 "drafter_weights": {n: weights_fingerprint(p) for n, (_, p, _) in runs.items() if p is not None},
                 "benchmarks": list(prompts), "limit": args.limit, "quick": args.quick, "quantize": args.quantize,
-                "quantize_drafter": args.quantize_drafter, "compile": args.compile}
+                "quantize_drafter": args.quantize_drafter, "compile": args.compile, "repeat": args.repeat}
     for runner in runners.values():  # what a method resolved itself, e.g. d3d-tree's budget and cost curve
         settings.update({k: v for k, v in runner.settings.items() if k != "block_size"})
     settings["method_settings"] = {name: runner.settings for name, runner in runners.items()}
@@ -165,7 +167,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     journal = out.with_name(out.name + ".journal")
     report = run_bench(model, tok, runners, prompts, params, args.max_new_tokens, raw=args.raw,
                        save_outputs=args.save_outputs, block_size=args.block_size, journal=journal,
-                       header={**settings, "device": args.device, "threads": num_threads()})
+                       header={**settings, "device": args.device, "threads": num_threads()}, repeat=args.repeat)
     report = {"machine": machine_info(args.device, args.quantize), "command": "d3d " + shlex.join(args.argv),
               "settings": settings, **({"cost_curve_s": curve} if curve else {}), **report}
     atomic_write_json(out, report)
