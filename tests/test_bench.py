@@ -391,10 +391,14 @@ def test_report_errors(tmp_path, capsys):
 def test_quick_bench_end_to_end(tmp_path):
     out = tmp_path / "quick.json"
     proc = subprocess.run([sys.executable, "-m", "d3d.cli", "bench", "--quick", "--benchmarks", "gsm8k,mt-bench",
-                           "--methods", "ar,ngram", "--threads", "1", "--out", str(out)],
+                           "--methods", "ar,ngram", "--threads", "1", "--save-outputs", "--out", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
+    assert "speedup_vs_ar" in proc.stdout  # the printed table
     report = json.loads(out.read_text())
+    assert set(report) >= {"machine", "command", "settings", "results", "per_prompt"}
+    assert set(report["machine"]) >= {"cpu", "kernels", "cores", "torch", "threads", "device"}
+    assert report["command"].startswith("d3d bench --quick ")
     assert report["settings"]["quick"] is True and report["settings"]["max_new_tokens"] == 16
     assert report["resumed"] == 0 and not (tmp_path / "quick.json.journal").exists()
     assert report["settings"]["benchmarks"] == ["gsm8k", "mt-bench"]
@@ -403,8 +407,16 @@ def test_quick_bench_end_to_end(tmp_path):
     assert set(rows) == {(b, m) for b in ("gsm8k", "mt-bench") for m in ("ar", "ngram")}
     assert rows[("gsm8k", "ar")]["prompts"] == 1 and rows[("mt-bench", "ar")]["prompts"] == 2  # both turns
     for r in rows.values():
-        assert r["lossless"] is True and r["tokens_per_s"] > 0
+        assert set(r) >= {"benchmark", "method", "prompts", "tau", "tokens_per_s", "tpot_s", "speedup_vs_ar",
+                          "lossless"}
+        assert r["lossless"] is True and r["tokens_per_s"] > 0 and r["tau"] >= 1.0
         assert r["new_tokens"] <= 16 * r["prompts"]
+    assert rows[("gsm8k", "ar")]["speedup_vs_ar"] == 1.0 and rows[("gsm8k", "ar")]["tau"] == 1.0
+    assert len(report["per_prompt"]) == 6
+    for r in report["per_prompt"]:
+        assert set(r) >= {"benchmark", "method", "prompt_index", "new_tokens", "rounds", "decode_s", "tau",
+                          "token_ids", "text"}
+        assert len(r["token_ids"]) == r["new_tokens"]
     per = [p for p in report["per_prompt"] if p["benchmark"] == "mt-bench"]
     assert sorted((p["method"], p["turn"]) for p in per) == [("ar", 1), ("ar", 2), ("ngram", 1), ("ngram", 2)]
     for (b, m), r in rows.items():
@@ -413,28 +425,10 @@ def test_quick_bench_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_runs_each_method_once_per_named_drafter(tmp_path):
-    """--drafters NAME=PATH: d3d runs once per drafter (rows d3d@NAME) beside the methods without one."""
-    from d3d.methods.catalog import DEFAULT_DRAFTERS
-
-    shipped = str(DEFAULT_DRAFTERS / "SmolLM2-135M-Instruct")
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt": "Count from 1 to 5."}\n')
-    out = tmp_path / "drafters.json"
-    assert main(["bench", "--prompts", str(prompts), "--methods", "d3d,ngram", "--drafters", f"a={shipped}",
-                 f"b={shipped}", "--max-new-tokens", "8", "--threads", "1", "--out", str(out)]) == 0
-    report = json.loads(out.read_text())
-    rows = {r["method"]: r for r in report["results"]}
-    assert list(rows) == ["ar", "d3d@a", "d3d@b", "ngram"]
-    assert all(r["lossless"] for r in rows.values()) and rows["d3d@a"]["tau"] == rows["d3d@b"]["tau"]
-    assert report["settings"]["drafters"] == {"a": shipped, "b": shipped}
-    assert report["settings"]["drafter_weights"]["d3d@a"] == report["settings"]["drafter_weights"]["d3d@b"]
-
-
-@pytest.mark.slow
-def test_bench_runs_each_retrieving_method_once_per_named_datastore(tmp_path):
-    """--datastores NAME=PATH: lookup-tree and d3d-tree run once per datastore (rows METHOD@NAME, and
-    METHOD@DRAFTER@DATASTORE with --drafters), each with its own; ngram and d3d run once."""
+def test_bench_runs_each_method_once_per_named_drafter_and_datastore(tmp_path):
+    """--drafters NAME=PATH: d3d runs once per drafter (rows d3d@NAME); --datastores NAME=PATH: lookup-tree and
+    d3d-tree run once per datastore (rows METHOD@NAME, and METHOD@DRAFTER@DATASTORE with --drafters), each with
+    its own; ngram runs once, and all of them interleaved in one run."""
     from d3d.corpus.datastore import SHIPPED
     from d3d.methods.catalog import DEFAULT_DRAFTERS
 
@@ -442,16 +436,18 @@ def test_bench_runs_each_retrieving_method_once_per_named_datastore(tmp_path):
     store = str(SHIPPED / "SmolLM2-135M-Instruct.npz")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "Count from 1 to 5."}\n')
-    out = tmp_path / "stores.json"
+    out = tmp_path / "runs.json"
     assert main(["bench", "--prompts", str(prompts), "--methods", "lookup-tree,ngram,d3d-tree,d3d", "--datastores",
-                 f"s={store}", "off=none", "--drafters", f"a={shipped}", "--max-new-tokens", "8", "--threads", "1",
-                 "--out", str(out)]) == 0
+                 f"s={store}", "off=none", "--drafters", f"a={shipped}", f"b={shipped}", "--max-new-tokens", "8",
+                 "--threads", "1", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     rows = {r["method"]: r for r in report["results"]}
     assert list(rows) == ["ar", "lookup-tree@s", "lookup-tree@off", "ngram", "d3d-tree@a@s", "d3d-tree@a@off",
-                          "d3d@a"]
-    assert all(r["lossless"] for r in rows.values())
+                          "d3d-tree@b@s", "d3d-tree@b@off", "d3d@a", "d3d@b"]
+    assert all(r["lossless"] for r in rows.values()) and rows["d3d@a"]["tau"] == rows["d3d@b"]["tau"]
+    assert report["settings"]["drafters"] == {"a": shipped, "b": shipped}
+    assert report["settings"]["drafter_weights"]["d3d@a"] == report["settings"]["drafter_weights"]["d3d@b"]
     used = {name: s.get("datastore") for name, s in report["settings"]["method_settings"].items()}
-    assert used["lookup-tree@s"] == used["d3d-tree@a@s"] == store
+    assert used["lookup-tree@s"] == used["d3d-tree@a@s"] == used["d3d-tree@b@s"] == store
     assert used["lookup-tree@off"] is None and used["d3d-tree@a@off"] is None
     assert report["settings"]["datastores"] == {"s": store, "off": "none"}

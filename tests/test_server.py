@@ -102,15 +102,17 @@ class Server:
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    """Start the server and one CLI run, compute the references in-process meanwhile (Python API, method
-    ar), then wait for the server. Yields (server, references dict, CLI JSON output)."""
+    """Start the server and one CLI run (`d3d generate --json`, method ngram), compute the references
+    in-process meanwhile (Python API, method ar), then wait for the server. Yields (server, references dict,
+    CLI JSON output)."""
     tmp = tmp_path_factory.mktemp("serve")
     port = _free_port()
     log = open(tmp / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "d3d.cli", "serve", "--method", "ngram", "--threads", "1",
                              "--port", str(port), "--max-queue", str(MAX_QUEUE)], stdout=log, stderr=subprocess.STDOUT)
-    cli = subprocess.Popen([sys.executable, "-m", "d3d.cli", "generate", PROMPT_A, "--max-new-tokens", str(MAX),
-                            "--json", "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cli = subprocess.Popen([sys.executable, "-m", "d3d.cli", "generate", PROMPT_A, "--method", "ngram",
+                            "--max-new-tokens", str(MAX), "--json", "--threads", "1"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     import torch
 
     threads = torch.get_num_threads()  # restored afterwards: torch's thread count is process-wide
@@ -243,7 +245,19 @@ def test_health_and_models(env):
 
 
 @pytest.mark.slow
+def test_cli_json_has_every_field(env):
+    cli = env[2]
+    for key in ("method", "text", "token_ids", "new_tokens", "rounds", "acceptance_lengths", "tau", "decode_s",
+                "tokens_per_s", "cpu", "kernels"):
+        assert key in cli
+    assert cli["method"] == "ngram"
+    assert 0 < cli["new_tokens"] == len(cli["token_ids"]) <= MAX
+    assert cli["rounds"] == len(cli["acceptance_lengths"])
+
+
+@pytest.mark.slow
 def test_python_api_equals_cli(env):
+    """The CLI ran ngram: its tokens are plain decoding's."""
     _, refs, cli = env
     assert refs[PROMPT_A].token_ids == cli["token_ids"]
     assert refs[PROMPT_A].text == cli["text"]
