@@ -34,7 +34,7 @@ def test_estimate_adds_drafters_to_one_report(tmp_path, capsys):
 @pytest.mark.slow
 def test_loadtest_short_run(tmp_path):
     out = tmp_path / "load.json"
-    assert main(["loadtest", "--clients", "2", "--duration", "3", "--max-tokens", "6", "--phases", "random",
+    assert main(["loadtest", "--clients", "2", "--duration", "3", "--max-tokens", "6", "--phases", "random", "--threads", "1",
                  "--out", str(out)]) == 0  # the other phases: tests/test_loadtest.py, on a tiny model
     report = json.loads(out.read_text())
     assert report["command"].startswith("d3d loadtest") and report["requests"] > 0
