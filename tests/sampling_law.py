@@ -124,7 +124,8 @@ FIRST = 4                     # the law of the first 4 tokens ...
 MAX_NEW_ALL = 6               # ... of generations long enough for several rounds (packed blocks, trees)
 N_ALL = 1200
 ASYNC_OPTIONS = {"d3d-async": {}, "d3d-async max_candidates=2": {"max_candidates": 2},
-                 "d3d-async successor_slots=2": {"successor_slots": 2}, "d3d-async head_all": {"head_all": True}}
+                 "d3d-async successor_slots=2": {"successor_slots": 2}, "d3d-async head_all": {"head_all": True},
+                 "d3d-async pack=False": {"pack": False}}
 TOP_K = SamplingParams(temperature=0.8, top_k=3)  # top-k alone, and top-p alone: each cut on its own
 TOP_P = SamplingParams(temperature=0.8, top_p=0.8)
 PARAMS_ID = {id(TEMP): "temperature", id(TRUNCATED): "top_k+top_p", id(TOP_K): "top_k", id(TOP_P): "top_p"}

@@ -316,6 +316,29 @@ def test_d3d_async_greedy_is_identical_to_ar_on_real_prompts(smol, prompt_ids, a
     assert hits > 0 and max(lengths) >= 2  # packed drafts were used and accepted
 
 
+def test_d3d_async_overlaps_only_where_its_measured_round_is_faster(smol, prompt_ids, ar_tokens, monkeypatch):
+    """The d3d-async runner times both schedules' rounds when it is built (round_costs) and packs the successors
+    beside the verification only if that round is the faster; otherwise every round drafts synchronously, as
+    `d3d`. Either way the output is plain decoding's."""
+    import d3d.methods.d3d_async as d3d_async
+    from d3d.decoding.async_engine import round_costs
+    from d3d.methods.catalog import make_runner
+
+    model, tok, model_dir = smol
+    d = load_drafter(DEFAULT_DRAFTERS / model_dir.name, model, tok)
+    measured = round_costs(model, d, split_threads=True, context=64, repeats=1)
+    assert set(measured) == {"sync", "overlap"} and all(0 < t < 60 for t in measured.values())
+    ids = prompt_ids[0]
+    for costs, schedule in (({"sync": 2.0, "overlap": 1.0}, "overlap"), ({"sync": 1.0, "overlap": 2.0}, "sync")):
+        monkeypatch.setattr(d3d_async, "round_costs", lambda *a, costs=costs, **k: costs)
+        runner = make_runner("d3d-async", model, tok, model_dir)
+        assert runner.settings["schedule"] == schedule and runner.settings["round_s"] == costs
+        res = runner(ids, max_new_tokens=32)
+        assert res.token_ids == ar_tokens(ids, 32) and max(res.acceptance_lengths) >= 2
+        assert res.stats["packed_hits"] + res.stats["fallbacks"] == drafted_rounds(res, 32) - 1
+        assert (res.stats["packed_hits"] > 0) == (schedule == "overlap")  # sync: every round drafts after the last
+
+
 @pytest.mark.slow
 def test_cli_trace_writes_chrome_trace_and_plot(tmp_path):
     trace = tmp_path / "trace.json"

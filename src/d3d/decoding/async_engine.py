@@ -19,6 +19,7 @@ distribution q, which depends only on verified text, and q goes to the standard 
 """
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from ..drafters.drafter import Drafter
-from .engine import GenerationResult, LogprobRecorder, generate
+from .engine import GenerationResult, LogprobRecorder, generate, sync_device
 from ..errors import D3DError
 from .packed import keep_prefix, likely_candidates, packed_draft
 from .trace import DRAFT_TID, VERIFY_TID, add_span, now_us
@@ -97,9 +98,10 @@ class AsyncD3DProposer(Proposer):
 
     def __init__(self, drafter: Drafter, vocab_size: int, cache_len: int, slots: int, overlap: bool = True,
                  max_candidates: int | None = None, head_all: bool = False, trace: list | None = None,
-                 target_device=None):
+                 target_device=None, pack: bool = True):
         super().__init__()
         self.drafter, self.vocab_size, self.cache_len, self.slots = drafter, vocab_size, cache_len, slots
+        self.pack = pack  # False: no packed pass, every round drafts synchronously (the schedule of `d3d`)
         self.max_candidates, self.head_all, self.trace = max_candidates, head_all, trace
         self.device = drafter.draft_ids.device
         self.target_device = torch.device(target_device) if target_device is not None else self.device
@@ -160,7 +162,7 @@ class AsyncD3DProposer(Proposer):
             self.stats["packed_hits"] += 1
         s1 = now_us()
         drafts, q = block.tokens[:k], None if block.q is None else block.q[:k]
-        cands = self.candidates(block, len(drafts))
+        cands = self.candidates(block, len(drafts)) if self.pack else []
         V = [tokens[-1]] + drafts
         fut = self.submit(packed_draft, self.drafter, V, cands, self.slots, self.head_all) if cands else None
         self.round = (len(tokens) - 1, cands, fut, (s1 - s0) / 1e6, now_us())
@@ -234,8 +236,8 @@ def generate_async(model, tokenizer, prompt_ids: list[int], params: SamplingPara
                    max_new_tokens: int = 128, drafter: Drafter | None = None, stop: list[str] | None = None,
                    draft_device=None, overlap: bool = True, trace: list | None = None,
                    max_candidates: int | None = None, successor_slots: int | None = None,
-                   head_all: bool = False, on_round=None, logprobs: LogprobRecorder | None = None
-                   ) -> AsyncGenerationResult:
+                   head_all: bool = False, on_round=None, logprobs: LogprobRecorder | None = None,
+                   pack: bool = True) -> AsyncGenerationResult:
     """Asynchronous D3D decoding with the drafter's block size B (B - 1 drafts per verified block): the
     synchronous loop with an AsyncD3DProposer.
 
@@ -243,7 +245,8 @@ def generate_async(model, tokenizer, prompt_ids: list[int], params: SamplingPara
     the overlap. Cost levers: max_candidates packs only the most likely acceptance counts (by the
     drafter's confidences); successor_slots < B drafts shorter successor blocks; head_all applies the LM
     head to every candidate inside the packed pass instead of only to the chosen one afterwards.
-    trace collects Chrome-trace spans. On CPU the worker thread shares torch's intra-op thread count,
+    pack=False drafts every round synchronously, as `d3d` does (the schedule d3d-async falls back to where
+    round_costs says the overlap does not pay). trace collects Chrome-trace spans. On CPU the worker thread shares torch's intra-op thread count,
     which is process-wide (torch.set_num_threads in one thread changes it for all): with 2 cores,
     torch.set_num_threads(1) gives each side one core.
     on_round(chunk, accepted), logprobs: as in d3d.decoding.engine.generate.
@@ -257,6 +260,65 @@ def generate_async(model, tokenizer, prompt_ids: list[int], params: SamplingPara
     _place(drafter, draft_device)
     cache_len = len(prompt_ids) + max_new_tokens + B + B * S + 1
     with AsyncD3DProposer(drafter, model.args.vocab_size, cache_len, S, overlap, max_candidates, head_all, trace,
-                          next(model.parameters()).device) as proposer:
+                          next(model.parameters()).device, pack) as proposer:
         res = generate(model, tokenizer, prompt_ids, params, max_new_tokens, proposer, B, stop, on_round, logprobs)
     return AsyncGenerationResult.of(res, proposer.stats)
+
+
+@torch.no_grad()
+def round_costs(model, drafter: Drafter, split_threads: bool, context: int = 256, repeats: int = 3,
+                slots: int | None = None) -> dict[str, float]:
+    """Seconds of one round of each schedule of asynchronous D3D on this machine, the fastest of `repeats`
+    (taking turns, as d3d.decoding.treecost's curves): "sync", a synchronous draft then the verification of its
+    block (what `d3d` and d3d-async with pack=False do), and "overlap", the verification of a block while
+    the packed pass drafts every outcome's successor in the worker thread, with half of the threads each
+    where `split_threads` (one CPU). Both after `context` cached tokens; every cache is rolled back after."""
+    B, S = drafter.block_size, slots or drafter.block_size
+    device, draft_device = next(model.parameters()).device, drafter.draft_ids.device
+    text = [0] * context
+    model.setup_cache(1, context + B + 1)
+    model(torch.zeros(1, context, dtype=torch.long, device=device))
+    drafter.setup_cache(1, context + B + B * S + 2)
+    drafter.cached_tokens = []
+    drafter.extend(text[:-1])
+    V = torch.zeros(1, B, dtype=torch.long, device=device)
+
+    def verify() -> None:
+        model(V)
+        sync_device(device)
+        model.rollback(context)
+
+    def sync_round(turn: int) -> None:
+        text[-1] = 1 + turn % 2  # a new last token: the draft feeds it, as in a round
+        drafter.draft_block(text)
+        keep_prefix(drafter, context - 1)
+        verify()
+
+    def overlap_round(pool: ThreadPoolExecutor) -> None:
+        def packed() -> None:
+            packed_draft(drafter, [0] * B, None, S, apply_head=False)
+            sync_device(draft_device)
+            keep_prefix(drafter, context - 1)
+        fut = pool.submit(packed)
+        verify()
+        fut.result()
+
+    times: dict[str, list[float]] = {"sync": [], "overlap": []}
+    threads = torch.get_num_threads()
+    with ThreadPoolExecutor(1) as pool:
+        for turn in range(repeats + 1):  # the first turn warms up, untimed
+            t0 = time.perf_counter()
+            sync_round(turn)
+            t1 = time.perf_counter()
+            if split_threads:
+                torch.set_num_threads(max(1, threads // 2))
+            try:
+                t2 = time.perf_counter()
+                overlap_round(pool)
+                t3 = time.perf_counter()
+            finally:
+                torch.set_num_threads(threads)
+            if turn:
+                times["sync"].append(t1 - t0)
+                times["overlap"].append(t3 - t2)
+    return {k: min(v) for k, v in times.items()}
