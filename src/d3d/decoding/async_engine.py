@@ -246,8 +246,8 @@ def generate_async(model, tokenizer, prompt_ids: list[int], params: SamplingPara
     drafter's confidences); successor_slots < B drafts shorter successor blocks; head_all applies the LM
     head to every candidate inside the packed pass instead of only to the chosen one afterwards.
     pack=False drafts every round synchronously, as `d3d` does (the schedule d3d-async falls back to where
-    round_costs says the overlap does not pay). trace collects Chrome-trace spans. On CPU the worker thread shares torch's intra-op thread count,
-    which is process-wide (torch.set_num_threads in one thread changes it for all): with 2 cores,
+    round_costs says the overlap does not pay). trace collects Chrome-trace spans. On CPU the worker thread
+    shares torch's intra-op thread count, which is process-wide (torch.set_num_threads in one thread changes it for all): with 2 cores,
     torch.set_num_threads(1) gives each side one core.
     on_round(chunk, accepted), logprobs: as in d3d.decoding.engine.generate.
     """
@@ -272,9 +272,11 @@ def round_costs(model, drafter: Drafter, split_threads: bool, context: int = 256
     (taking turns, as d3d.decoding.treecost's curves): "sync", a synchronous draft then the verification of its
     block (what `d3d` and d3d-async with pack=False do), and "overlap", the verification of a block while
     the packed pass drafts every outcome's successor in the worker thread, with half of the threads each
-    where `split_threads` (one CPU). Both after `context` cached tokens; every cache is rolled back after."""
+    where `split_threads` (one CPU). Both after `context` cached tokens (fewer where a model's context is
+    shorter); every cache is rolled back after."""
     B, S = drafter.block_size, slots or drafter.block_size
     device, draft_device = next(model.parameters()).device, drafter.draft_ids.device
+    context = max(2, min(context, model.args.max_seq_len - B - 1, drafter.args.max_seq_len - B - B * S - 2))
     text = [0] * context
     model.setup_cache(1, context + B + 1)
     model(torch.zeros(1, context, dtype=torch.long, device=device))
