@@ -44,6 +44,8 @@ TORCH_LIBRARY(d3d, m) {
         "Tensor positions, Tensor? mask, int start, int n_heads, float eps) -> Tensor");
   m.def("layers(Tensor x, Tensor[] params, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor inv_freq, "
         "Tensor positions, Tensor? mask, int start, int n_heads, float eps) -> Tensor");
+  m.def("layers_batch(Tensor x, Tensor[] params, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor inv_freq, "
+        "Tensor positions, Tensor[] masks, int[] slots, int[] starts, int[] lengths, int n_heads, float eps) -> Tensor");
   m.def("kernel_path() -> str", [] { return std::string(d3d::kernel_path()); });
   m.def("int8_path() -> str", [] { return std::string(d3d::int8::int8_path()); });
 }

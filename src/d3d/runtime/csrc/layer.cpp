@@ -1,4 +1,4 @@
-// d3d::layer: one Llama-family decoder layer over the T new rows of one sequence on the CPU, writing their
+// d3d::layer: one Llama-family decoder layer over the T new rows of one sequence (layers_batch: of several) on the CPU, writing their
 // keys and values into the KV cache. Everything that is not a matrix product (norms, rotary embedding,
 // attention, SiLU, residuals) is computed row by row here, with sums in a fixed order, and the products
 // are int8_linear's or fp32_linear's, whose rows are independent too. So a row's output is bitwise the same
@@ -32,18 +32,22 @@ at::Tensor linear(const at::Tensor& x, at::TensorList p, int64_t i) {
 }
 
 // What every layer of one call shares: the rows' positions as rotary tables (cos and sin of position * inv_freq,
-// [T][D/2], the same values layer after layer) and the mask.
+// [T][D/2], the same values layer after layer) and, per row, where it lives: the KV cache slot of its sequence
+// (a batch index), the cache index its key and value are written to, how many keys it may see and its mask row
+// (nullptr: causal, the first n_keys). One sequence is the batch of one segment.
 struct Rows {
-  int64_t T, start, L;
+  int64_t T = 0;
   std::vector<float> cs, sn;
-  at::Tensor mask;  // bool [T, L], or undefined: causal
+  std::vector<int64_t> slot, write, n_keys;
+  std::vector<const bool*> mask_row;
+  std::vector<at::Tensor> masks;  // owners of mask_row's memory
 };
 
-Rows rows_of(const at::Tensor& inv_freq, const at::Tensor& positions_, const std::optional<at::Tensor>& mask_,
-             int64_t T, int64_t start) {
-  const int64_t half = inv_freq.numel();
+void rope_tables(Rows& r, const at::Tensor& inv_freq, const at::Tensor& positions_) {
+  const int64_t half = inv_freq.numel(), T = r.T;
   TORCH_CHECK(positions_.numel() == T, "layer: one position per row");
-  Rows r{T, start, start + T, std::vector<float>(T * half), std::vector<float>(T * half), at::Tensor()};
+  r.cs.assign(T * half, 0.f);
+  r.sn.assign(T * half, 0.f);
   const at::Tensor positions = positions_.to(at::kLong).contiguous();
   const float* fp = inv_freq.data_ptr<float>();
   for (int64_t i = 0; i < T; ++i) {
@@ -54,23 +58,49 @@ Rows rows_of(const at::Tensor& inv_freq, const at::Tensor& positions_, const std
       r.sn[i * half + j] = std::sin(angle);
     }
   }
-  if (mask_.has_value()) {
-    r.mask = mask_->to(at::kBool).contiguous();
-    TORCH_CHECK(r.mask.numel() == T * r.L, "layer: mask must be [T, start + T]");
+}
+
+// Rows of one segment: `length` rows of the sequence in cache slot `slot`, after its first `start` cached
+// tokens, with its mask (bool [length, start + length]; undefined: causal).
+void add_segment(Rows& r, int64_t slot, int64_t start, int64_t length, const at::Tensor& mask_) {
+  const int64_t L = start + length;
+  const bool* mp = nullptr;
+  if (mask_.defined() && mask_.numel()) {
+    at::Tensor mask = mask_.to(at::kBool).contiguous();
+    TORCH_CHECK(mask.numel() == length * L, "layer: mask must be [T, start + T]");
+    r.masks.push_back(mask);
+    mp = mask.data_ptr<bool>();
   }
+  for (int64_t i = 0; i < length; ++i) {
+    r.slot.push_back(slot);
+    r.write.push_back(start + i);
+    r.n_keys.push_back(mp ? L : start + i + 1);
+    r.mask_row.push_back(mp ? mp + i * L : nullptr);
+  }
+}
+
+Rows rows_of(const at::Tensor& inv_freq, const at::Tensor& positions, const std::optional<at::Tensor>& mask,
+             int64_t T, int64_t start) {
+  Rows r;
+  r.T = T;
+  rope_tables(r, inv_freq, positions);
+  add_segment(r, 0, start, T, mask.has_value() ? *mask : at::Tensor());
   return r;
 }
 
 at::Tensor layer_rows(const at::Tensor& x_, at::TensorList p, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const Rows& r, int64_t H, float eps) {
   TORCH_CHECK(p.size() == 24, "layer takes 24 parameter tensors (d3d.kernels.layer_params)");
-  TORCH_CHECK(x_.dim() == 3 && x_.size(0) == 1 && x_.scalar_type() == at::kFloat, "layer runs one float sequence [1, T, dim]");
+  TORCH_CHECK(x_.dim() == 3 && x_.size(0) == 1 && x_.scalar_type() == at::kFloat, "layer runs float rows [1, T, dim]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4, "layer: KV cache [B, kv_heads, S, D]");
-  const int64_t T = r.T, dim = x_.size(2), KV = k_cache.size(1), S = k_cache.size(2), D = k_cache.size(3);
-  const int64_t start = r.start, L = r.L, group = H / KV, half = D / 2;
+  const int64_t T = r.T, dim = x_.size(2), B = k_cache.size(0), KV = k_cache.size(1), S = k_cache.size(2);
+  const int64_t D = k_cache.size(3), group = H / KV, half = D / 2;
   TORCH_CHECK(x_.size(1) == T, "layer: ", x_.size(1), " rows for ", T, " positions");
-  TORCH_CHECK(L <= S, "layer: ", L, " tokens exceed the KV cache (", S, ")");
   TORCH_CHECK(H % KV == 0 && int64_t(r.cs.size()) == T * half, "layer: head shapes do not match");
+  for (int64_t i = 0; i < T; ++i) {
+    TORCH_CHECK(r.n_keys[i] <= S && r.write[i] < S, "layer: ", r.n_keys[i], " tokens exceed the KV cache (", S, ")");
+    TORCH_CHECK(0 <= r.slot[i] && r.slot[i] < B, "layer: cache slot ", r.slot[i], " outside the cache's ", B);
+  }
   at::Tensor x = x_.reshape({T, dim}).contiguous();
   const float* xp = x.data_ptr<float>();
 
@@ -90,21 +120,24 @@ at::Tensor layer_rows(const at::Tensor& x_, at::TensorList p, const at::Tensor& 
       rope(v, r.cs.data() + i * half, r.sn.data() + i * half, D);
     }
     for (int64_t g = 0; g < KV; ++g) {
-      std::copy(row + (H + g) * D, row + (H + g + 1) * D, kcp + (g * S + start + i) * D);
-      std::copy(row + (H + KV + g) * D, row + (H + KV + g + 1) * D, vcp + (g * S + start + i) * D);
+      const int64_t at = ((r.slot[i] * KV + g) * S + r.write[i]) * D;
+      std::copy(row + (H + g) * D, row + (H + g + 1) * D, kcp + at);
+      std::copy(row + (H + KV + g) * D, row + (H + KV + g + 1) * D, vcp + at);
     }
   }
 
   at::Tensor att = at::empty({T, H * D}, x.options());
   float* ap = att.data_ptr<float>();
-  const bool* mp = r.mask.defined() ? r.mask.data_ptr<bool>() : nullptr;
+  int64_t most_keys = 1;
+  for (int64_t i = 0; i < T; ++i) most_keys = std::max(most_keys, r.n_keys[i]);
   at::parallel_for(0, T * H, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> scores(L);
-    std::vector<int64_t> keys(L);
+    std::vector<float> scores(most_keys);
+    std::vector<int64_t> keys(most_keys);
     for (int64_t task = b; task < e; ++task) {
       const int64_t i = task / H, head = task % H, g = head / group;
-      attend_row(qp + i * width + head * D, kcp + g * S * D, vcp + g * S * D, mp ? mp + i * L : nullptr,
-                 mp ? L : start + i + 1, D, scores.data(), keys.data(), ap + i * H * D + head * D);
+      const int64_t base = (r.slot[i] * KV + g) * S * D;
+      attend_row(qp + i * width + head * D, kcp + base, vcp + base, r.mask_row[i], r.n_keys[i], D, scores.data(),
+                 keys.data(), ap + i * H * D + head * D);
     }
   });
 
@@ -146,9 +179,38 @@ at::Tensor layers(const at::Tensor& x, at::TensorList p, at::TensorList k_caches
   return h;
 }
 
+// All layers over the rows of several sequences at once (continuous batching, d3d.scheduler): segment s is
+// lengths[s] consecutive rows of x, the next tokens of the sequence in cache slot slots[s] after its starts[s]
+// cached tokens, with masks[s] (empty: causal). The products take all rows together; everything else is per
+// row, so each row is bitwise what the same rows compute in a call of their own.
+at::Tensor layers_batch(const at::Tensor& x, at::TensorList p, at::TensorList k_caches, at::TensorList v_caches,
+                        const at::Tensor& inv_freq, const at::Tensor& positions, at::TensorList masks,
+                        at::IntArrayRef slots, at::IntArrayRef starts, at::IntArrayRef lengths, int64_t H, double eps) {
+  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1, "layers_batch runs rows [1, T, dim]");
+  TORCH_CHECK(k_caches.size() == v_caches.size() && p.size() == 24 * k_caches.size(),
+              "layers_batch takes 24 parameter tensors and a K and a V cache per layer");
+  const size_t n = slots.size();
+  TORCH_CHECK(starts.size() == n && lengths.size() == n && masks.size() == n, "layers_batch: one slot, start, "
+              "length and mask per segment");
+  Rows r;
+  for (size_t s = 0; s < n; ++s) {
+    TORCH_CHECK(lengths[s] > 0 && starts[s] >= 0, "layers_batch: empty segment or negative start");
+    for (size_t t = 0; t < s; ++t) TORCH_CHECK(slots[t] != slots[s], "layers_batch: two segments in cache slot ", slots[s]);
+    add_segment(r, slots[s], starts[s], lengths[s], masks[s]);
+  }
+  r.T = int64_t(r.slot.size());
+  TORCH_CHECK(x.size(1) == r.T, "layers_batch: ", x.size(1), " rows for segments of ", r.T);
+  rope_tables(r, inv_freq, positions);
+  at::Tensor h = x;
+  for (size_t i = 0; i < k_caches.size(); ++i)
+    h = layer_rows(h, p.slice(24 * i, 24), k_caches[i], v_caches[i], r, H, float(eps));
+  return h;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(d3d, CPU, m) {
   m.impl("layer", &layer);
   m.impl("layers", &layers);
+  m.impl("layers_batch", &layers_batch);
 }

@@ -1,0 +1,104 @@
+"""One target forward over the new tokens of several sequences (continuous batching; the scheduler that decides
+what goes into each forward is d3d.scheduler).
+
+Each sequence owns a slot of one preallocated KV cache [K/V, layer, slot, kv_heads, position, head_dim] and
+brings its own cache length, positions and mask (a token tree), as a `Segment`. On the CPU layers
+(torch.ops.d3d.layers_batch) the matrix products take every row of the batch at once, which is what makes a
+batch cheap (a forward is bound by reading the weights up to several rows), and everything else is computed
+row by row: a row's logits are bitwise what the same sequence computes alone, so greedy output does not depend
+on what a request is batched with. Elsewhere (no C++ kernels, a GPU) the segments run one after the other on
+the PyTorch layers, each on its own slot of the cache: the same results, without the batching's speed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import D3DError
+
+
+@dataclass
+class Segment:
+    """The next `tokens` [T] of the sequence in cache `slot`, fed after its first `start` cached tokens at
+    rotary `positions` [T] with `mask` (bool [T, start + T]; None: causal); `keep`: the logits wanted, of the
+    last `keep` rows (0: all)."""
+
+    slot: int
+    tokens: torch.Tensor
+    start: int
+    positions: torch.Tensor
+    mask: torch.Tensor | None = None
+    keep: int = 0
+
+    @property
+    def width(self) -> int:
+        return self.tokens.shape[0]
+
+
+class BatchedTarget:
+    """A target model (d3d.runtime.target.Transformer) with a KV cache of `slots` sequences of up to `max_len`
+    tokens each, run over several sequences per forward (`forward`)."""
+
+    def __init__(self, model, slots: int, max_len: int | None = None):
+        if slots < 1:
+            raise D3DError(f"a batch needs at least one slot (got {slots})")
+        a, p = model.args, model.output.weight
+        self.model, self.slots, self.max_len = model, slots, max_len or a.max_seq_len
+        self.kv = torch.zeros((2, len(model.layers), slots, a.n_kv_heads, self.max_len, a.head_dim),
+                              dtype=p.dtype, device=p.device)
+        self.k_caches, self.v_caches = list(self.kv[0]), list(self.kv[1])
+
+    @property
+    def native(self) -> bool:
+        """Whether forwards run on the C++ layers, all segments in one call (else one PyTorch pass each)."""
+        return self.model._cpu_ready(1, None) and self.model.cpu_params is not None
+
+    def move_rows(self, slot: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the K/V at positions `src` of one slot to positions `dst` (a token tree's accepted path)."""
+        self.kv[:, :, slot, :, dst] = self.kv[:, :, slot, :, src]
+
+    @torch.no_grad()
+    def forward(self, segments: list[Segment]) -> list[torch.Tensor]:
+        """Logits [keep or T, V] of each segment, its K/V written into its slot."""
+        for s in segments:
+            if not 0 <= s.slot < self.slots:
+                raise D3DError(f"cache slot {s.slot} outside the batch's {self.slots}")
+            if s.start + s.width > self.max_len:
+                raise D3DError(f"sequence of {s.start + s.width} tokens exceeds the KV cache ({self.max_len})")
+        if len({s.slot for s in segments}) != len(segments):
+            raise D3DError("two segments of one forward share a cache slot")
+        if not self.native:
+            return [self._alone(s) for s in segments]
+        m, a = self.model, self.model.args
+        x = m.embed(torch.cat([s.tokens for s in segments]))[None]
+        masks = [s.mask.reshape(s.width, s.start + s.width) if s.mask is not None else torch.empty(0, dtype=torch.bool)
+                 for s in segments]
+        h = torch.ops.d3d.layers_batch(x, m.cpu_params, self.k_caches, self.v_caches, m.inv_freq,
+                                       torch.cat([s.positions for s in segments]), masks, [s.slot for s in segments],
+                                       [s.start for s in segments], [s.width for s in segments], a.n_heads, a.norm_eps)
+        rows, ends, end = [], [], 0
+        for s in segments:
+            end += s.width
+            keep = s.keep or s.width
+            rows += range(end - keep, end)
+            ends.append(len(rows))
+        logits = m.head(h[:, rows])[0]
+        return list(torch.tensor_split(logits, ends[:-1]))
+
+    def _alone(self, s: Segment) -> torch.Tensor:
+        """One segment on the PyTorch layers: the model's caches point at the slot's while it runs."""
+        m = self.model
+        atts = [layer.attention for layer in m.layers]
+        saved = [(att.k_cache, att.v_cache) for att in atts], m.cache_len, m.cache_size
+        try:
+            for att, k, v in zip(atts, self.k_caches, self.v_caches):
+                att.k_cache, att.v_cache = k[s.slot:s.slot + 1], v[s.slot:s.slot + 1]
+            m.cache_len, m.cache_size = s.start, self.max_len
+            mask = None if s.mask is None else s.mask.reshape(1, 1, s.width, s.start + s.width)
+            x, _ = m.hidden(s.tokens[None], mask, s.positions)
+            return m.head(x[:, -s.keep:] if s.keep else x)[0]
+        finally:
+            for att, (k, v) in zip(atts, saved[0]):
+                att.k_cache, att.v_cache = k, v
+            m.cache_len, m.cache_size = saved[1], saved[2]

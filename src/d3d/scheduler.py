@@ -1,0 +1,230 @@
+"""Continuous batching: many generations share each target forward.
+
+Every running generation has a cache slot of a BatchedTarget (d3d.runtime.batch) and runs the unchanged
+decoding engines in a thread of its own, on a `SlotModel`: a target whose forward hands its tokens to the
+scheduler and waits. The scheduler's thread waits until every running generation has handed in its next
+forward (their Python work, proposing and verifying, is serial anyway), runs them all as one batched forward
+and hands each its logits. Generations join (`acquire`) and leave (`release`) between forwards, so a new
+request starts at the next forward, not after the others finish.
+
+Long prompts are fed in chunks of at most `prefill_chunk` tokens, one chunk per forward, so the running
+generations keep decoding beside a prompt being read; a check between chunks (cancellation, deadline) stops a
+prompt within one chunk.
+
+Load-aware speculation: each generation's last forward width and the tokens it committed with it are kept
+(`load`), so a method choosing how many tokens to verify (the tree methods' WidthCost) can weigh its round
+against the whole batch: the width that maximises the batch's committed tokens per second of the batch's
+forward, given what the other generations feed. At one generation that is the single-stream choice; under
+load extra width costs what it adds to everyone's forward, and a draft that does not pay shrinks to nothing.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import D3DError
+from .runtime.batch import BatchedTarget, Segment
+
+PREFILL_SECONDS = 0.25  # a prompt chunk is at most about this much forward time (from the width cost curve)
+STRAGGLER_S = 1.0       # a forward waits at most this long for a generation that has not handed in its next one
+
+
+@dataclass
+class Work:
+    segment: Segment
+    done: threading.Event = field(default_factory=threading.Event)
+    logits: torch.Tensor | None = None
+    error: BaseException | None = None
+
+
+class SlotModel:
+    """One generation's view of the batched target: the interface the decoding engines use (setup_cache,
+    forward, rollback, move_cache_rows, cache_len), every other attribute the target's own."""
+
+    def __init__(self, scheduler: "Scheduler", slot: int):
+        self.scheduler, self.slot, self.base_model = scheduler, slot, scheduler.model
+        self.cache_len, self.cache_size = 0, scheduler.batch.max_len
+        self.check = None  # called before each prompt chunk: raises to stop (set by the server per request)
+        self.width, self.gain, self.start = 0, 0, 0  # the last forward: its width and the tokens it committed
+
+    def __getattr__(self, name):
+        return getattr(self.base_model, name)
+
+    def setup_cache(self, max_batch: int = 1, max_len: int | None = None) -> None:
+        if max_batch != 1:
+            raise D3DError("a batch slot holds one sequence")
+        if max_len is not None and max_len > self.cache_size:
+            raise D3DError(f"sequence of {max_len} tokens exceeds the batch's KV cache ({self.cache_size})")
+        self.cache_len = 0
+
+    def rollback(self, length: int) -> None:
+        if not 0 <= length <= self.cache_len:
+            raise ValueError(f"cannot roll back to {length} (cache holds {self.cache_len})")
+        self.cache_len = length
+        self.gain = max(0, length - self.start)
+
+    def move_cache_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.scheduler.batch.move_rows(self.slot, src, dst)
+
+    def batch_load(self) -> tuple[int, float]:
+        """(width, committed tokens) of the other generations' last forwards."""
+        return self.scheduler.load(self.slot)
+
+    def __call__(self, tokens, mask=None, positions=None, last_only=False, hidden_layers=None, logits_to_keep=0):
+        return self.forward(tokens, mask, positions, last_only, hidden_layers, logits_to_keep)
+
+    def forward(self, tokens: torch.Tensor, mask=None, positions=None, last_only=False, hidden_layers=None,
+                logits_to_keep=0) -> torch.Tensor:
+        if hidden_layers is not None:
+            raise D3DError("methods that read the target's hidden states do not run batched")
+        if tokens.dim() != 2 or tokens.shape[0] != 1:
+            raise D3DError("a batch slot runs one sequence [1, T]")
+        T, keep = tokens.shape[1], 1 if last_only else logits_to_keep
+        chunk = self.scheduler.prefill_chunk
+        if mask is None and positions is None and T > chunk:  # a prompt: chunk by chunk, one per forward
+            out = []
+            for a in range(0, T, chunk):
+                if self.check is not None:
+                    self.check()
+                part = tokens[0, a:a + chunk]
+                last = a + chunk >= T
+                out.append(self._run(part, None, None, (keep if last else 1) if keep else 0))
+            return (out[-1] if keep else torch.cat(out))[None]
+        if positions is not None:
+            positions = positions.reshape(T)
+        return self._run(tokens[0], mask, positions, keep)[None]
+
+    def _run(self, tokens: torch.Tensor, mask, positions, keep: int) -> torch.Tensor:
+        T, start = tokens.shape[0], self.cache_len
+        if start + T > self.cache_size:
+            raise D3DError(f"sequence of {start + T} tokens exceeds the KV cache ({self.cache_size})")
+        if positions is None:
+            positions = torch.arange(start, start + T, device=tokens.device)
+        if mask is not None:
+            mask = mask.reshape(T, start + T).to(torch.bool)
+        logits = self.scheduler.submit(Segment(self.slot, tokens, start, positions, mask, min(keep, T)))
+        self.cache_len, self.start, self.width, self.gain = start + T, start, T, T
+        return logits
+
+
+class Scheduler:
+    """Runs the forwards of up to `max_batch` generations together (see the module doc). `acquire()` gives a
+    generation its SlotModel (None when all slots are taken), `release(slot)` frees it."""
+
+    def __init__(self, model, max_batch: int, max_len: int | None = None, prefill_chunk: int | None = None):
+        self.model = model
+        self.batch = BatchedTarget(model, max_batch, max_len)
+        self.prefill_chunk = prefill_chunk or self._fitted_chunk()
+        if self.prefill_chunk < 1:
+            raise D3DError(f"prefill chunk must be >= 1 token (got {self.prefill_chunk})")
+        self.cond = threading.Condition()
+        self.free = list(range(max_batch))
+        self.slots: dict[int, SlotModel] = {}
+        self.pending: dict[int, Work] = {}
+        self.forwards = 0          # batched forwards run
+        self.last_rows = 0         # rows of the last forward
+        self.last_batch = 0        # generations in it
+        self.stopped = False
+        self.thread = threading.Thread(target=self._loop, name="d3d-scheduler", daemon=True)
+        self.thread.start()
+
+    @property
+    def max_batch(self) -> int:
+        return self.batch.slots
+
+    def _fitted_chunk(self) -> int:
+        """The widest prompt chunk whose forward costs at most PREFILL_SECONDS (measured width cost curve,
+        linear beyond its widest point), at least 16 tokens, at most 256."""
+        from .decoding.treecost import WidthCost, measured_curve
+
+        curve = measured_curve(self.model)
+        if not curve:
+            return 256
+        cost = WidthCost(curve)
+        return max([16] + [w for w in range(16, 257, 16) if cost(w) <= PREFILL_SECONDS])
+
+    def acquire(self) -> SlotModel | None:
+        with self.cond:
+            if not self.free or self.stopped:
+                return None
+            slot = self.free.pop(0)
+            self.slots[slot] = SlotModel(self, slot)
+            return self.slots[slot]
+
+    def release(self, slot: int) -> None:
+        with self.cond:
+            self.slots.pop(slot, None)
+            self.pending.pop(slot, None)
+            self.free.append(slot)
+            self.free.sort()
+            self.cond.notify_all()
+
+    @property
+    def running(self) -> int:
+        return len(self.slots)
+
+    def load(self, slot: int) -> tuple[int, float]:
+        others = [s for k, s in self.slots.items() if k != slot]
+        return sum(s.width for s in others), float(sum(s.gain for s in others))
+
+    def submit(self, segment: Segment) -> torch.Tensor:
+        """Hand in one generation's next forward and wait for its logits."""
+        work = Work(segment)
+        with self.cond:
+            if self.stopped:
+                raise D3DError("the scheduler has stopped")
+            if segment.slot not in self.slots:
+                raise D3DError(f"cache slot {segment.slot} is not in use")
+            self.pending[segment.slot] = work
+            self.cond.notify_all()
+        work.done.wait()
+        if work.error is not None:
+            raise work.error
+        return work.logits
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopped = True
+            for w in self.pending.values():
+                w.error = D3DError("the scheduler has stopped")
+                w.done.set()
+            self.pending.clear()
+            self.cond.notify_all()
+
+    def _take(self) -> list[Work]:
+        """Wait for a forward's work: every running generation's next forward, or what has been handed in
+        STRAGGLER_S after the first."""
+        with self.cond:
+            while not self.pending and not self.stopped:
+                self.cond.wait()
+            first = time.monotonic()
+            while not self.stopped and len(self.pending) < len(self.slots):
+                left = STRAGGLER_S - (time.monotonic() - first)
+                if left <= 0:
+                    break
+                self.cond.wait(left)
+            works = list(self.pending.values())
+            self.pending.clear()
+            return works
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            works = self._take()
+            if self.stopped:
+                return
+            try:
+                logits = self.batch.forward([w.segment for w in works])
+                for w, lg in zip(works, logits):
+                    w.logits = lg
+            except BaseException as e:  # every waiting generation gets the error, the scheduler goes on
+                for w in works:
+                    w.error = e if isinstance(e, D3DError) else D3DError(f"batched forward failed: {e}")
+            self.forwards += 1
+            self.last_rows = sum(w.segment.width for w in works)
+            self.last_batch = len(works)
+            for w in works:
+                w.done.set()
