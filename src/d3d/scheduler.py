@@ -106,7 +106,8 @@ class SlotModel:
         if mask is not None:
             mask = mask.reshape(T, start + T).to(torch.bool)
         logits = self.scheduler.submit(Segment(self.slot, tokens, start, positions, mask, min(keep, T)))
-        self.cache_len, self.start, self.width, self.gain = start + T, start, T, T
+        self.cache_len, self.start, self.width = start + T, start, T
+        self.gain = min(T, keep) if keep else T  # a prompt commits one token; a verification, what rollback keeps
         return logits
 
 
@@ -127,6 +128,8 @@ class Scheduler:
         self.forwards = 0          # batched forwards run
         self.last_rows = 0         # rows of the last forward
         self.last_batch = 0        # generations in it
+        self.forward_s = 0.0       # seconds spent in batched forwards
+        self.rows = 0              # rows fed in all
         self.stopped = False
         self.thread = threading.Thread(target=self._loop, name="d3d-scheduler", daemon=True)
         self.thread.start()
@@ -193,6 +196,8 @@ class Scheduler:
                 w.done.set()
             self.pending.clear()
             self.cond.notify_all()
+        if threading.current_thread() is not self.thread:
+            self.thread.join()
 
     def _take(self) -> list[Work]:
         """Wait for a forward's work: every running generation's next forward, or what has been handed in
@@ -216,6 +221,7 @@ class Scheduler:
             works = self._take()
             if self.stopped:
                 return
+            t0 = time.perf_counter()
             try:
                 logits = self.batch.forward([w.segment for w in works])
                 for w, lg in zip(works, logits):
@@ -223,8 +229,10 @@ class Scheduler:
             except BaseException as e:  # every waiting generation gets the error, the scheduler goes on
                 for w in works:
                     w.error = e if isinstance(e, D3DError) else D3DError(f"batched forward failed: {e}")
+            self.forward_s += time.perf_counter() - t0
             self.forwards += 1
             self.last_rows = sum(w.segment.width for w in works)
+            self.rows += self.last_rows
             self.last_batch = len(works)
             for w in works:
                 w.done.set()

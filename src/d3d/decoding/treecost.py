@@ -64,11 +64,15 @@ def measured_curve(model) -> dict[int, float] | None:
 
 class WidthCost:
     """Seconds of a target forward by width (linear between measured widths), and the width that
-    maximises expected tokens per second of a round."""
+    maximises expected tokens per second of a round.
 
-    def __init__(self, curve: dict[int, float], overhead: float = 0.0):
+    load: for a generation in a batch (d3d.scheduler.SlotModel.batch_load), () -> (width, committed tokens)
+    of the other generations' forwards; a round's width is then the one that maximises the whole batch's
+    committed tokens per second of the shared forward."""
+
+    def __init__(self, curve: dict[int, float], overhead: float = 0.0, load=None):
         self.widths = sorted(curve)
-        self.curve, self.overhead = monotone(curve), overhead
+        self.curve, self.overhead, self.load = monotone(curve), overhead, load
         self.table = [self.interpolate(w) for w in range(max(self.widths) + 1)]  # best_width calls it per node
 
     def __call__(self, width: int) -> float:
@@ -84,15 +88,24 @@ class WidthCost:
             return self.curve[lo]
         return self.curve[lo] + (width - lo) * (self.curve[hi] - self.curve[lo]) / (hi - lo)
 
+    def rate(self, gain: float, width: int, others: tuple[int, float] = (0, 0.0)) -> float:
+        """Expected committed tokens per second of a round that feeds `width` tokens and expects `gain`
+        tokens, beside `others` = (width, tokens) of the rest of its batch: all of the forward's tokens over
+        its cost. overhead: the round's other costs (drafting)."""
+        return (gain + others[1]) / (self(others[0] + width) + self.overhead)
+
+    def others(self) -> tuple[int, float]:
+        return self.load() if self.load is not None else (0, 0.0)
+
     def best_width(self, scores: list[float]) -> int:
         """Nodes sorted by score (the chance that verification reaches them): the tree width T (root
         included) maximising (1 + sum of the first T - 1 scores) / (cost(T) + overhead), i.e. expected
-        tokens of the round per second. overhead: the round's other costs (drafting)."""
-        best, best_rate, gain = 1, 0.0, 1.0
+        tokens of the round per second (in a batch: of the batch's forward, `rate`)."""
+        best, best_rate, gain, others = 1, 0.0, 1.0, self.others()
         for t in range(1, len(scores) + 2):
             if t > 1:
                 gain += scores[t - 2]
-            rate = gain / (self(t) + self.overhead)
+            rate = self.rate(gain, t, others)
             if rate > best_rate:
                 best, best_rate = t, rate
         return best

@@ -57,11 +57,12 @@ class NgramProposer(Proposer):
         """Draft length in 0..longest maximising (1 + p + p^2 + ... + p^k) / cost(k + 1), with p the
         estimated chance that a token copied after an n-gram match is right."""
         p = self.hits[n][0] / self.hits[n][1]
-        best, best_rate, gain, term = 0, 1.0 / self.cost(1), 1.0, 1.0
+        others = self.cost.others()
+        best, best_rate, gain, term = 0, self.cost.rate(1.0, 1, others), 1.0, 1.0
         for length in range(1, longest + 1):
             term *= p
             gain += term
-            rate = gain / self.cost(length + 1)
+            rate = self.cost.rate(gain, length + 1, others)
             if rate > best_rate:
                 best, best_rate = length, rate
         return best
@@ -129,7 +130,7 @@ def score_copy(hits: list[float], tokens: list[int], start: int, follow: list[in
 
 def _ngram_runner(s: Setup) -> Runner:
     curve = measured_curve(s.model)
-    proposer = NgramProposer(cost=WidthCost(curve) if curve else None)
+    proposer = NgramProposer(cost=WidthCost(curve, load=getattr(s.model, "batch_load", None)) if curve else None)
     return Runner(partial(generate, s.model, s.tokenizer, proposer=proposer, block_size=s.block_size),
                   block_size=s.block_size)
 

@@ -28,6 +28,7 @@ any score (d3d.decoding.tokentree).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from functools import lru_cache, partial
 from pathlib import Path
@@ -113,6 +114,8 @@ class TreeProposer(Proposer):
 
     def reset(self, prompt_ids: list[int]) -> None:
         self.drafter_gain, self.idle_rounds, self.drafted = 1.0, 0, False
+        self.spec_tokens = self.spec_width = None  # moving averages over the rounds that built a tree
+        self.propose_s, self.plain_rounds, self.speculated = 0.0, 0, True
         self.token_time = None if self.cost is None else self.cost(1)  # modelled seconds per emitted token
         self.rates: dict[tuple, list[float]] = {}  # n-gram / retrieved node label -> [accepted, tried], decayed
         if self.d3d is not None:
@@ -129,6 +132,24 @@ class TreeProposer(Proposer):
         if self.cost is None or self.drafter_gain * self.token_time >= self.cost.overhead:
             return True
         return self.idle_rounds >= PROBE_ROUNDS
+
+    def speculation_pays(self) -> bool:
+        """In a batch (the cost model's `load`, d3d.scheduler) with other generations in it: whether building
+        and verifying a tree this round gives the batch more tokens per second than feeding the pending token
+        alone, from this generation's recent trees (tokens committed, width, seconds spent proposing: in a
+        batch the generations' Python work runs one after the other, so it delays every forward) and the
+        others' last forward; and every PROBE_ROUNDS-th round anyway. Alone it always builds its tree, as
+        a single stream does. The choice is made before the round from earlier rounds only, so sampling
+        stays exact (the tree rule is exact for any candidate set fixed before the round)."""
+        if self.cost is None or self.cost.load is None or self.spec_tokens is None:
+            return True
+        others = self.cost.others()
+        if others[0] == 0 or self.plain_rounds >= PROBE_ROUNDS:
+            return True
+        spec = self.cost.rate(self.spec_tokens, round(self.spec_width), others)
+        spec *= self.cost(others[0] + round(self.spec_width)) / (
+            self.cost(others[0] + round(self.spec_width)) + self.propose_s)
+        return spec >= self.cost.rate(1.0, 1, others)
 
     def _counts(self, key: tuple) -> list[float]:
         if key[0] == "ngram":
@@ -160,6 +181,15 @@ class TreeProposer(Proposer):
         if self.cost is not None:
             spent = (self.cost(len(tree)) + (self.cost.overhead if drafted else 0.0)) / (len(path) + 1)
             self.token_time += GAIN_SMOOTHING * (spent - self.token_time)
+        if self.speculated:
+            tokens, width = len(path) + 1, len(tree)
+            self.spec_tokens = tokens if self.spec_tokens is None else \
+                self.spec_tokens + GAIN_SMOOTHING * (tokens - self.spec_tokens)
+            self.spec_width = width if self.spec_width is None else \
+                self.spec_width + GAIN_SMOOTHING * (width - self.spec_width)
+            self.plain_rounds = 0
+        else:
+            self.plain_rounds += 1
         if drafted:
             gain = sum(1 for i in path if tree.sources[i] <= DRAFTER_SOURCES)
             self.drafter_gain += GAIN_SMOOTHING * (gain - self.drafter_gain)
@@ -169,7 +199,17 @@ class TreeProposer(Proposer):
 
     def propose(self, tokens: list[int], k: int) -> TokenTree:
         """The tree for the round after `tokens` (ending with the pending token), at most k deep."""
+        t0 = time.perf_counter()
         draft = TreeDraft(tokens[-1])
+        self.speculated = k > 0 and self.speculation_pays()
+        if not self.speculated:
+            self.drafted = False
+            return draft.select(self.budget, 0, self.cost)
+        tree = self._tree(draft, tokens, k)
+        self.propose_s += GAIN_SMOOTHING * (time.perf_counter() - t0 - self.propose_s)
+        return tree
+
+    def _tree(self, draft: TreeDraft, tokens: list[int], k: int) -> TokenTree:
         self.drafted = k > 0 and self.d3d is not None and self.drafting_pays()
         matches = longest_continuations(tokens, k, self.ngram_matches) if k > 0 else []
         if self.drafted:
@@ -214,12 +254,13 @@ def auto_tree(model, proposer: D3DProposer | None, datastore: Datastore | None =
     the curve is shared with `ngram` on the same model), not stored on disk: they move with the runtime,
     the threads and the load. Without a drafter (lookup-tree) only the curve is measured."""
     curve = measured_curve(model) or width_cost_curve(model)
+    load = getattr(model, "batch_load", None)  # a generation in a batch (d3d.scheduler): width for the batch
     if proposer is None:
-        return TreeProposer(None, choose_budget(curve, block_size), cost=WidthCost(curve), datastore=datastore,
-                            history=history)
+        return TreeProposer(None, choose_budget(curve, block_size), cost=WidthCost(curve, load=load),
+                            datastore=datastore, history=history)
     slots, overhead = choose_slots(proposer)
     return TreeProposer(proposer, choose_budget(curve, proposer.drafter.block_size),
-                        cost=WidthCost(curve, overhead), draft_slots=slots, datastore=datastore, history=history)
+                        cost=WidthCost(curve, overhead, load), draft_slots=slots, datastore=datastore, history=history)
 
 
 @lru_cache(maxsize=2)
