@@ -49,6 +49,7 @@ class SlotModel:
         self.cache_len, self.cache_size = 0, scheduler.batch.max_len
         self.check = None  # called before each prompt chunk: raises to stop (set by the server per request)
         self.width, self.gain, self.start = 0, 0, 0  # the last forward: its width and the tokens it committed
+        self.joined = False  # handed in a forward: from then on every forward waits for this generation's next
 
     def __getattr__(self, name):
         return getattr(self.base_model, name)
@@ -116,7 +117,10 @@ class Scheduler:
     generation its SlotModel (None when all slots are taken), `release(slot)` frees it."""
 
     def __init__(self, model, max_batch: int, max_len: int | None = None, prefill_chunk: int | None = None):
+        from .decoding.treecost import measured_curve
+
         self.model = model
+        self.curve = measured_curve(model)  # on the target alone, before any slot: the slots' methods share it
         self.batch = BatchedTarget(model, max_batch, max_len)
         self.prefill_chunk = prefill_chunk or self._fitted_chunk()
         if self.prefill_chunk < 1:
@@ -141,12 +145,11 @@ class Scheduler:
     def _fitted_chunk(self) -> int:
         """The widest prompt chunk whose forward costs at most PREFILL_SECONDS (measured width cost curve,
         linear beyond its widest point), at least 16 tokens, at most 256."""
-        from .decoding.treecost import WidthCost, measured_curve
+        from .decoding.treecost import WidthCost
 
-        curve = measured_curve(self.model)
-        if not curve:
+        if not self.curve:
             return 256
-        cost = WidthCost(curve)
+        cost = WidthCost(self.curve)
         return max([16] + [w for w in range(16, 257, 16) if cost(w) <= PREFILL_SECONDS])
 
     def acquire(self) -> SlotModel | None:
@@ -170,7 +173,7 @@ class Scheduler:
         return len(self.slots)
 
     def load(self, slot: int) -> tuple[int, float]:
-        others = [s for k, s in self.slots.items() if k != slot]
+        others = [s for k, s in self.slots.items() if k != slot and s.joined]
         return sum(s.width for s in others), float(sum(s.gain for s in others))
 
     def submit(self, segment: Segment) -> torch.Tensor:
@@ -182,6 +185,7 @@ class Scheduler:
             if segment.slot not in self.slots:
                 raise D3DError(f"cache slot {segment.slot} is not in use")
             self.pending[segment.slot] = work
+            self.slots[segment.slot].joined = True
             self.cond.notify_all()
         work.done.wait()
         if work.error is not None:
@@ -200,13 +204,14 @@ class Scheduler:
             self.thread.join()
 
     def _take(self) -> list[Work]:
-        """Wait for a forward's work: every running generation's next forward, or what has been handed in
-        STRAGGLER_S after the first."""
+        """Wait for a forward's work: the next forward of every generation that has joined (handed in one
+        before; one still setting up does not hold the others back), or what has been handed in STRAGGLER_S
+        after the first."""
         with self.cond:
             while not self.pending and not self.stopped:
                 self.cond.wait()
             first = time.monotonic()
-            while not self.stopped and len(self.pending) < len(self.slots):
+            while not self.stopped and len(self.pending) < sum(s.joined for s in self.slots.values()):
                 left = STRAGGLER_S - (time.monotonic() - first)
                 if left <= 0:
                     break

@@ -1,0 +1,180 @@
+"""Continuous batching (d3d.runtime.batch, d3d.scheduler): a sequence's rows in a batched forward are bitwise
+its rows alone, so every concurrent answer is token for token its solo answer, and sampling keeps the target's
+law while other generations share the forwards."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from d3d.decoding.engine import generate
+from d3d.decoding.tokentree import tree_mask, tree_positions
+from d3d.decoding.verify import SamplingParams
+from d3d.errors import D3DError
+from d3d.methods.catalog import make_runner
+from d3d.runtime.batch import BatchedTarget, Segment
+from d3d.runtime.quantize import apply_quantize
+from d3d.scheduler import Scheduler
+from d3d.runtime.target import Transformer
+from helpers import EOS, StubTokenizer, on_cpu_layers, tiny_args, tiny_datastore, tiny_model
+from sampling_law import FIRST, MAX_NEW_ALL, N_ALL, PROMPT_ALL, TRUNCATED, chi2_pvalue, draw, exact_law
+
+
+def solo_logits(model, prefix: list[int], tokens: list[int], parents: list[int] | None = None) -> torch.Tensor:
+    """Logits of `tokens` fed after `prefix` in a forward of their own (a token tree when `parents` is given)."""
+    model.setup_cache(1, 64)
+    if prefix:
+        model(torch.tensor([prefix]))
+    if parents is None:
+        return model(torch.tensor([tokens]))[0]
+    L = len(prefix)
+    depths = [0] * len(parents)
+    for i, p in enumerate(parents):
+        depths[i] = 0 if p < 0 else depths[p] + 1
+    return model(torch.tensor([tokens]), mask=tree_mask(parents, L), positions=tree_positions(depths, L))[0]
+
+
+def packed_model():
+    """A tiny target whose every product, the LM head's too, is on the C++ kernels (a vocabulary of 64, a
+    whole output group: PyTorch's own fp32 product, which the law tests' 8-token head runs on, computes one
+    row and several rows in different orders)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return on_cpu_layers(Transformer(tiny_args(64, 64, dim=64)).eval().requires_grad_(False))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_batched_rows_are_bitwise_the_solo_rows(precision):
+    model = packed_model()
+    if precision == "int8":
+        model = apply_quantize(model, "int8", StubTokenizer(64))
+    batch = BatchedTarget(model, 3, max_len=64)
+    assert batch.native, "the tiny target runs on the C++ layers"
+    prompts = [[1, 2, 3, 4, 5], [6, 7], [0, 1, 2]]
+    first = batch.forward([Segment(s, torch.tensor(p), 0, torch.arange(len(p))) for s, p in enumerate(prompts)])
+    for p, lg in zip(prompts, first):
+        assert torch.equal(lg, solo_logits(model, [], p))
+    parents = [-1, 0, 0, 1]  # a token tree after prompt 0, a verification block after 1, one step after 2
+    depths = [0, 1, 1, 2]
+    tree, block, step = [6, 0, 1, 2], [3, 4, 5], [5]
+    out = batch.forward([
+        Segment(0, torch.tensor(tree), 5, tree_positions(depths, 5), tree_mask(parents, 5)[0, 0]),
+        Segment(1, torch.tensor(block), 2, torch.arange(2, 5)),
+        Segment(2, torch.tensor(step), 3, torch.arange(3, 4), keep=1)])
+    assert torch.equal(out[0], solo_logits(model, prompts[0], tree, parents))
+    assert torch.equal(out[1], solo_logits(model, prompts[1], block))
+    assert torch.equal(out[2], solo_logits(model, prompts[2], step))
+
+
+def test_bad_batches_are_refused():
+    batch = BatchedTarget(tiny_model(), 2, max_len=8)
+    with pytest.raises(D3DError, match="share a cache slot"):
+        batch.forward([Segment(0, torch.tensor([1]), 0, torch.arange(1)), Segment(0, torch.tensor([2]), 0,
+                                                                                  torch.arange(1))])
+    with pytest.raises(D3DError, match="exceeds the KV cache"):
+        batch.forward([Segment(1, torch.tensor([1] * 9), 0, torch.arange(9))])
+    with pytest.raises(D3DError, match="outside the batch"):
+        batch.forward([Segment(2, torch.tensor([1]), 0, torch.arange(1))])
+
+
+def run_together(scheduler: Scheduler, jobs: list) -> list:
+    """Each job(slot_model) in a thread of its own, all on one scheduler; their results in order."""
+    slots = [scheduler.acquire() for _ in jobs]
+    assert all(s is not None for s in slots)
+    out, errors = [None] * len(jobs), []
+
+    def run(i):
+        try:
+            out[i] = jobs[i](slots[i])
+        except BaseException as e:
+            errors.append(e)
+        finally:
+            scheduler.release(slots[i].slot)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return out
+
+
+@pytest.mark.parametrize("method", ["ar", "ngram", "lookup-tree"])
+def test_concurrent_greedy_answers_are_the_solo_answers(smol, prompt_ids, ar_tokens, method):
+    """Four generations at once, one of them with its prompt fed in chunks between the others' rounds."""
+    model, tok, model_dir = smol
+    scheduler = Scheduler(model, 4, max_len=512, prefill_chunk=16)
+    try:
+        n = 48
+
+        def job(ids):
+            return lambda slot: make_runner(method, slot, tok, model_dir, learn=False)(
+                ids, params=SamplingParams(), max_new_tokens=n)
+
+        results = run_together(scheduler, [job(ids) for ids in prompt_ids[:4]])
+        assert scheduler.last_batch >= 1 and scheduler.forwards < 4 * n  # rounds were shared
+    finally:
+        scheduler.stop()
+    for ids, res in zip(prompt_ids, results):
+        assert res.token_ids == ar_tokens(ids, n)
+    if method != "ar":
+        assert sum(a > 1 for res in results for a in res.acceptance_lengths) > 0  # drafts were accepted
+
+
+def test_a_prompt_is_fed_in_chunks_and_can_be_stopped(smol, prompt_ids):
+    model, tok, _ = smol
+    scheduler = Scheduler(model, 2, max_len=512, prefill_chunk=8)
+    calls = []
+
+    def check():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("client left")
+
+    try:
+        slot = scheduler.acquire()
+        slot.check = check
+        with pytest.raises(RuntimeError, match="client left"):
+            generate(slot, tok, prompt_ids[0], max_new_tokens=4)
+        assert scheduler.forwards == 2  # two chunks of 8 tokens, stopped before the third
+        scheduler.release(slot.slot)
+    finally:
+        scheduler.stop()
+
+
+def test_sampling_in_a_batch_keeps_the_law():
+    """lookup-tree sampling (top-k + top-p) while another generation shares every forward: the output law is
+    the target's exact law, and drafts were accepted."""
+    from d3d.decoding.tree import generate_tree
+    from d3d.decoding.treecost import WidthCost
+    from d3d.methods.tree import TreeProposer
+
+    model = tiny_model()
+    scheduler = Scheduler(model, 2, max_len=64, prefill_chunk=64)
+    slot, companion = scheduler.acquire(), scheduler.acquire()
+    done = threading.Event()
+
+    def keep_busy():
+        while not done.is_set():
+            generate(companion, StubTokenizer(), [4, 5, 6], max_new_tokens=8)
+        scheduler.release(companion.slot)
+
+    busy = threading.Thread(target=keep_busy)
+    busy.start()
+    try:
+        cost = WidthCost({1: 1.0, 2: 1.2, 8: 1.6}, load=slot.batch_load)
+        tree = TreeProposer(None, budget=8, cost=cost, datastore=tiny_datastore(model, PROMPT_ALL))
+        run = lambda p: generate_tree(slot, StubTokenizer(), PROMPT_ALL, p, MAX_NEW_ALL, proposer=tree,
+                                      max_depth=3)
+        samples, rounds = draw(run, TRUNCATED, N_ALL, FIRST)
+    finally:
+        done.set()
+        busy.join()
+        scheduler.release(slot.slot)
+        scheduler.stop()
+    dist = exact_law(model, PROMPT_ALL, TRUNCATED, FIRST, EOS)
+    assert set(samples) <= set(dist)
+    assert sum(n for length, n in rounds.items() if length > 1) > 100
+    assert chi2_pvalue(samples, dist) > 1e-3
