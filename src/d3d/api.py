@@ -60,10 +60,25 @@ class Generator:
     """One target + one decoding method. Build it with `load()`."""
 
     def __init__(self, model, tokenizer, model_dir: Path, method: str, runner: Callable[..., GenerationResult],
-                 block_size: int = 16):
+                 block_size: int = 16, build_runner: Callable | None = None):
         self.model, self.tokenizer, self.model_dir = model, tokenizer, Path(model_dir)
         self.method, self.runner, self.block_size = method, runner, block_size
+        self.build_runner = build_runner  # model -> a runner of the same method and options (on_slots)
         self._lock = threading.Lock()
+
+    @property
+    def batches(self) -> bool:
+        """Whether this method can run on batch slots (Method.batches; on_slots)."""
+        info = REGISTRY.get(self.method)
+        return self.build_runner is not None and info is not None and info.batches
+
+    def on_slots(self, slots: list) -> list["Generator"]:
+        """A Generator per batch slot (d3d.scheduler.SlotModel), each with a runner of its own built like this
+        one's (the same method and options): concurrent generations on one batched target."""
+        if not self.batches:
+            raise D3DError(f"method {self.method} does not run batched")
+        return [Generator(slot, self.tokenizer, self.model_dir, self.method, self.build_runner(slot), self.block_size)
+                for slot in slots]
 
     @property
     def name(self) -> str:
@@ -177,6 +192,9 @@ def load(target: str | None = None, method: str | None = None, drafter: str | No
     check_quantize_drafter(quantize_drafter, methods)
     check_quantize(quantize, methods)
     model, tok, model_dir = load_target(target, device, quantize=quantize, compile=compile)
-    runner = make_runner(methods[0], model, tok, model_dir, drafter=drafter, block_size=block_size,
-                         quantize_drafter=quantize_drafter, **options)
-    return Generator(model, tok, model_dir, methods[0], runner, runner.settings["block_size"])
+    def build(m):
+        return make_runner(methods[0], m, tok, model_dir, drafter=drafter, block_size=block_size,
+                           quantize_drafter=quantize_drafter, **options)
+
+    runner = build(model)
+    return Generator(model, tok, model_dir, methods[0], runner, runner.settings["block_size"], build)

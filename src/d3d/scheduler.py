@@ -132,6 +132,7 @@ class Scheduler:
         self.forwards = 0          # batched forwards run
         self.last_rows = 0         # rows of the last forward
         self.last_batch = 0        # generations in it
+        self.last_drafts = 0       # tokens verified beyond each generation's pending one (its draft budget in use)
         self.forward_s = 0.0       # seconds spent in batched forwards
         self.rows = 0              # rows fed in all
         self.stopped = False
@@ -159,6 +160,16 @@ class Scheduler:
             slot = self.free.pop(0)
             self.slots[slot] = SlotModel(self, slot)
             return self.slots[slot]
+
+    def leave(self, slot: int) -> None:
+        """The generation on `slot` has ended; the slot stays taken (a server lane keeps its runner) but the
+        forwards no longer wait for it until it hands in another."""
+        with self.cond:
+            if slot in self.slots:
+                self.slots[slot].joined = False
+                self.slots[slot].width = self.slots[slot].gain = 0
+            self.pending.pop(slot, None)
+            self.cond.notify_all()
 
     def release(self, slot: int) -> None:
         with self.cond:
@@ -216,9 +227,23 @@ class Scheduler:
                 if left <= 0:
                     break
                 self.cond.wait(left)
-            works = list(self.pending.values())
-            self.pending.clear()
+            works = self._fit(list(self.pending.values()))
+            for w in works:
+                del self.pending[w.segment.slot]
             return works
+
+    def _fit(self, works: list[Work]) -> list[Work]:
+        """The forwards to run now: every decoding round, and prompt chunks (segments that keep only their last
+        logits: a prompt's) up to `prefill_chunk` prompt tokens in all, the first always; the other prompt
+        chunks wait for the next forward. So one forward's time stays near a chunk's plus the rounds', however
+        many prompts arrive at once, and the running generations keep streaming."""
+        prompt = [w for w in works if w.segment.keep and w.segment.width > 1]
+        chosen, budget = [w for w in works if w not in prompt], self.prefill_chunk
+        for i, w in enumerate(prompt):
+            if i == 0 or w.segment.width <= budget:
+                chosen.append(w)
+                budget -= w.segment.width
+        return chosen
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
@@ -239,5 +264,6 @@ class Scheduler:
             self.last_rows = sum(w.segment.width for w in works)
             self.rows += self.last_rows
             self.last_batch = len(works)
+            self.last_drafts = sum(w.segment.width - 1 for w in works if not w.segment.keep)
             for w in works:
                 w.done.set()

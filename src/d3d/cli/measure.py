@@ -82,11 +82,44 @@ def cmd_estimate(args: argparse.Namespace) -> None:
     print(f"wrote {out}")
 
 
+def _throughput(args: argparse.Namespace) -> None:
+    import sys
+
+    from ..atomic import atomic_write_json
+    from ..methods.catalog import best_method, parse_methods
+    from ..server.loadtest import LoadTest
+    from ..server.loadtest_throughput import run_throughput, throughput_table
+
+    try:
+        levels = tuple(int(c) for c in args.concurrency.split(",") if c.strip())
+    except ValueError:
+        raise D3DError(f"--concurrency takes numbers of clients, e.g. 1,2,4,8 (got {args.concurrency!r})") from None
+    if not levels or min(levels) < 1:
+        raise D3DError(f"--concurrency takes numbers of clients >= 1 (got {args.concurrency!r})")
+    if args.requests is not None and args.requests < 1 or args.max_tokens < 1 or args.long_prompt_tokens < 1:
+        raise D3DError("--requests, --max-tokens and --long-prompt-tokens must be >= 1")
+    if args.max_batch is not None and args.max_batch < 1:
+        raise D3DError(f"--max-batch must be >= 1 (got {args.max_batch})")
+    if args.url:
+        raise D3DError("--throughput starts its own servers (one per method): drop --url")
+    methods = parse_methods(args.methods or f"ar,{best_method(args.target)}")
+    cfg = LoadTest(max_tokens=args.max_tokens, target=args.target, threads=args.threads or 1,
+                   long_prompt_tokens=args.long_prompt_tokens)
+    out = {"command": "d3d " + shlex.join(args.argv),
+           **run_throughput(cfg, methods, levels, args.requests, not args.no_llama_cpp, args.max_batch)}
+    print(throughput_table(out), file=sys.stderr)
+    if args.out:
+        atomic_write_json(Path(args.out), out)
+        print(f"wrote {args.out}", file=sys.stderr)
+
+
 def cmd_loadtest(args: argparse.Namespace) -> None:
     import sys
 
     from ..server.loadtest import PHASES, LoadTest, run_load_test, verdict_lines
 
+    if args.throughput:
+        return _throughput(args)
     if args.clients < 1 or args.duration <= 0 or args.max_tokens < 1:
         raise D3DError("--clients and --max-tokens must be >= 1 and --duration > 0")
     phases = tuple(p.strip() for p in args.phases.split(",") if p.strip())

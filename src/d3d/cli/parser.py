@@ -155,9 +155,15 @@ def _serve(sub) -> None:
                         "'*' = any); repeatable (default: loopback names and the --host address; others get 421)")
     p.add_argument("--max-prompt-tokens", type=int, default=None, metavar="N",
                    help="refuse (400) prompts of over N tokens (default: what the context window allows)")
-    p.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="process prompts N tokens per forward, checking cancellation and deadline between "
-                        "chunks (default 256)")
+                        "chunks (default 256; in a batch the widest forward of about 0.25 s, so that running "
+                        "requests keep streaming)")
+    p.add_argument("--max-batch", type=int, default=8, metavar="N",
+                   help="decode up to N requests together in batched forwards, joining and leaving between "
+                        "rounds (continuous batching), with each round's drafts sized for the whole batch; "
+                        "1 = one request at a time; methods that do not batch run one at a time (default 8: "
+                        "on a CPU a forward of 8 rows costs little more than one)")
     p.add_argument("--max-connections", type=int, default=512, metavar="N",
                    help="open connections at most; beyond, 503 (default 512)")
     p.add_argument("--read-timeout", type=float, default=10.0, metavar="SECONDS",
@@ -217,6 +223,20 @@ def _loadtest(sub) -> None:
                    help="connections: how long they are held (default 30)")
     p.add_argument("--server-log", default=None, metavar="PATH",
                    help="keep the started server's log here (default: a temporary file; scanned either way)")
+    p.add_argument("--throughput", action="store_true",
+                   help="instead of the phases: aggregate and per-request tokens/s and time to first token at "
+                        "each --concurrency, for a server per --methods (--no-learn) and llama.cpp's server "
+                        "where llama-cpp-python[server] is installed; answers checked against each server's "
+                        "one-client answers; short requests' time to first token during a --long-prompt-tokens "
+                        "prefill")
+    p.add_argument("--methods", default=None,
+                   help="--throughput: d3d serve methods, comma-separated (default: ar and the target's best)")
+    p.add_argument("--concurrency", default="1,2,4,8", help="--throughput: clients per level (default 1,2,4,8)")
+    p.add_argument("--requests", type=int, default=None,
+                   help="--throughput: distinct prompts per level (default: twice the most clients)")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="--throughput: the d3d servers' --max-batch (default: the most clients)")
+    p.add_argument("--no-llama-cpp", action="store_true", help="--throughput: leave llama.cpp's server out")
     p.set_defaults(func=cmd_loadtest)
 
 

@@ -210,8 +210,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise D3DError(f"--read-timeout must be > 0 seconds (got {args.read_timeout})")
     if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
         raise D3DError(f"--max-prompt-tokens must be >= 1 (got {args.max_prompt_tokens})")
-    if args.prefill_chunk < 1:
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise D3DError(f"--prefill-chunk must be >= 1 (got {args.prefill_chunk})")
+    if args.max_batch < 1:
+        raise D3DError(f"--max-batch must be >= 1 (got {args.max_batch})")
     if args.max_connections < 1:
         raise D3DError(f"--max-connections must be >= 1 (got {args.max_connections})")
     key = args.api_key if args.api_key is not None else os.environ.get("D3D_API_KEY")
@@ -230,4 +232,5 @@ def cmd_serve(args: argparse.Namespace) -> None:
           file=sys.stderr, flush=True)
     serve(gen, args.host, args.port, args.max_queue, api_key=key, allow_origins=args.allow_origin,
           request_timeout=args.request_timeout, allow_hosts=args.allow_host, max_prompt_tokens=args.max_prompt_tokens,
-          prefill_chunk=args.prefill_chunk, max_connections=args.max_connections, read_timeout=args.read_timeout)
+          prefill_chunk=args.prefill_chunk, max_connections=args.max_connections, read_timeout=args.read_timeout,
+          max_batch=args.max_batch)

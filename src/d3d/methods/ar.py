@@ -6,4 +6,5 @@ from functools import partial
 from ..decoding.engine import generate
 from .registry import Method, register
 
-AR = register(Method("ar", lambda s: partial(generate, s.model, s.tokenizer), help="plain decoding (the reference)"))
+AR = register(Method("ar", lambda s: partial(generate, s.model, s.tokenizer), help="plain decoding (the reference)",
+                    batches=True))

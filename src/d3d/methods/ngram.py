@@ -135,4 +135,5 @@ def _ngram_runner(s: Setup) -> Runner:
                   block_size=s.block_size)
 
 
-NGRAM = register(Method("ngram", _ngram_runner, help="n-gram prompt lookup, drafts cut to the measured cost of verification"))
+NGRAM = register(Method("ngram", _ngram_runner, help="n-gram prompt lookup, drafts cut to the measured cost of verification",
+                        batches=True))

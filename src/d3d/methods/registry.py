@@ -106,6 +106,8 @@ class Method:
     retrieves: bool = False          # reads the datastore option (`d3d bench --datastores` runs it per datastore)
     logprobs: bool = True            # its runner records the target's logprobs (logprobs=LogprobRecorder)
     branches: bool = False           # its runner reports each round's accepted branch (on_branch=, before on_round)
+    batches: bool = False            # its runner runs on a batch slot (d3d.scheduler.SlotModel): d3d serve decodes it
+    #                                  in batched forwards beside other requests
     own_prefill: bool = False        # it runs the prompt on a runtime of its own, in slices with prefill_check()
     #                                  called before each (d3d serve's cancel and deadline; else the worker's
     #                                  ChunkedPrefill on d3d's target does it)

@@ -329,6 +329,6 @@ D3D_TREE = register(Method("d3d-tree", _tree_runner, drafter_kind=D3D.name, retr
                            help="the drafter's block, its alternatives, n-gram matches and continuations "
                                 "retrieved from the target's own outputs (the shipped datastore and, unless "
                                 "learning is off, the runner's earlier generations) verified as one token tree"))
-LOOKUP_TREE = register(Method("lookup-tree", _lookup_tree_runner, retrieves=True, branches=True,
+LOOKUP_TREE = register(Method("lookup-tree", _lookup_tree_runner, retrieves=True, branches=True, batches=True,
                               help="n-gram matches and retrieved continuations (the shipped datastore and the "
                                    "runner's earlier generations) as one token tree (no drafter)"))

@@ -24,14 +24,17 @@ log = logging.getLogger("d3d.server")
 def create_app(gen: Generator, max_queue: int = 16, api_key: str | None = None,
                allow_origins: list[str] | tuple = (), request_timeout: float | None = None,
                bind_host: str = "127.0.0.1", allow_hosts: list[str] | tuple = (),
-               max_prompt_tokens: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
-               read_timeout: float | None = READ_TIMEOUT, max_bytes_in_flight: int = MAX_BYTES_IN_FLIGHT) -> FastAPI:
+               max_prompt_tokens: int | None = None, prefill_chunk: int | None = PREFILL_CHUNK,
+               read_timeout: float | None = READ_TIMEOUT, max_bytes_in_flight: int = MAX_BYTES_IN_FLIGHT,
+               max_batch: int = 1) -> FastAPI:
     """The ASGI app. api_key: required on every path but /health (None = open; empty or blank: D3DError;
     surrounding whitespace stripped); allow_origins: browser origins besides the server's own ("*" = any);
     request_timeout: seconds from arrival to deadline; allow_hosts: Host names besides loopback and
     bind_host ("*" = any); max_prompt_tokens: prompt-token cap (None: the context window's room);
-    prefill_chunk: prompt tokens per forward (cancel and deadline checked between chunks); read_timeout:
-    seconds to send a body (408); max_bytes_in_flight: body bytes held by all requests before parsing (503)."""
+    prefill_chunk: prompt tokens per forward (cancel and deadline checked between chunks; None: PREFILL_CHUNK, or
+    in a batch the widest forward of about d3d.scheduler.PREFILL_SECONDS); read_timeout: seconds to send a body
+    (408); max_bytes_in_flight: body bytes held by all requests before parsing (503); max_batch: generations
+    decoded together (continuous batching, d3d.scheduler) where the method batches."""
     if request_timeout is not None and not request_timeout > 0:
         raise D3DError(f"request_timeout must be > 0 (got {request_timeout})")
     if read_timeout is not None and not read_timeout > 0:
@@ -40,7 +43,9 @@ def create_app(gen: Generator, max_queue: int = 16, api_key: str | None = None,
         raise D3DError(f"max_prompt_tokens must be >= 1 (got {max_prompt_tokens})")
     api_key = check_api_key(api_key)
     metrics = Metrics()
-    worker = Worker(gen, max_queue, metrics, prefill_chunk)
+    worker = Worker(gen, max_queue, metrics, prefill_chunk, max_batch)
+    if worker.batch_note:
+        log.warning("--max-batch %d: %s", max_batch, worker.batch_note)
     completions = Completions(gen, worker, metrics, request_timeout, max_prompt_tokens, read_timeout,
                               max_bytes_in_flight)
 
@@ -74,7 +79,8 @@ def create_app(gen: Generator, max_queue: int = 16, api_key: str | None = None,
     @app.get("/health")
     async def health():
         with worker.lock:
-            busy = {"running": worker.running, "waiting": worker.waiting, "max_queue": worker.max_queue}
+            busy = {"running": worker.running, "waiting": worker.waiting, "max_queue": worker.max_queue,
+                    "max_batch": worker.max_batch}
         alive = worker.alive
         body = {"status": "ok" if alive else "error", "worker": "alive" if alive else "dead", "model": gen.name,
                 "method": gen.method, **busy}
@@ -171,10 +177,10 @@ def server_config(app, host: str = "127.0.0.1", port: int = 8000, log_level: str
 def serve(gen: Generator, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 16,
           log_level: str = "info", api_key: str | None = None, allow_origins: list[str] | tuple = (),
           request_timeout: float | None = None, allow_hosts: list[str] | tuple = (),
-          max_prompt_tokens: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
-          max_connections: int = MAX_CONNECTIONS, read_timeout: float | None = READ_TIMEOUT) -> None:
+          max_prompt_tokens: int | None = None, prefill_chunk: int | None = PREFILL_CHUNK,
+          max_connections: int = MAX_CONNECTIONS, read_timeout: float | None = READ_TIMEOUT, max_batch: int = 1) -> None:
     import uvicorn
 
     app = create_app(gen, max_queue, api_key, allow_origins, request_timeout, host, allow_hosts, max_prompt_tokens,
-                     prefill_chunk, read_timeout)
+                     prefill_chunk, read_timeout, max_batch=max_batch)
     uvicorn.Server(server_config(app, host, port, log_level, max_connections, read_timeout)).run()

@@ -77,7 +77,20 @@ class Metrics:
                           [("", worker.waiting)])
             out += metric("d3d_queue_capacity", "gauge", "Most requests that may wait (--max-queue).",
                           [("", worker.max_queue)])
-            out += metric("d3d_generation_running", "gauge", "1 while a generation runs.", [("", worker.running)])
+            out += metric("d3d_generation_running", "gauge", "Generations running now.", [("", worker.running)])
+        out += metric("d3d_max_batch", "gauge", "Most generations decoded together (--max-batch, 1 for a method "
+                      "that does not batch).", [("", worker.max_batch)])
+        sch = worker.scheduler
+        if sch is not None:
+            out += metric("d3d_batch_size", "gauge", "Generations in the last batched target forward.",
+                          [("", sch.last_batch)])
+            out += metric("d3d_batch_rows", "gauge", "Tokens fed by the last batched target forward (prompt "
+                          "chunks, pending tokens and drafts).", [("", sch.last_rows)])
+            out += metric("d3d_batch_draft_tokens", "gauge", "Draft tokens verified in the last batched forward: "
+                          "the round's speculation budget, chosen per generation from the width cost curve and "
+                          "the batch's load.", [("", sch.last_drafts)])
+            out += metric("d3d_batched_forwards_total", "counter", "Batched target forwards.", [("", sch.forwards)])
+            out += metric("d3d_batch_rows_total", "counter", "Tokens fed by all batched forwards.", [("", sch.rows)])
         out += metric("d3d_worker_alive", "gauge", "1 while the generation worker thread runs.",
                       [("", int(worker.alive))])
         return "\n".join(out) + "\n"

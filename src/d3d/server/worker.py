@@ -1,6 +1,9 @@
-"""The generation worker of d3d serve: one thread, a bounded FIFO queue, cancellation and deadlines per round
-and, while a long prompt is processed, per prefill chunk (ChunkedPrefill on d3d's target; the methods on a
-runtime of their own check between prompt slices: Method.own_prefill)."""
+"""The generation worker of d3d serve: a bounded FIFO queue served by one thread, or, with --max-batch N and a
+method that batches (Method.batches), by N threads ("lanes") whose generations share each target forward
+through the scheduler (d3d.scheduler: continuous batching; a request starts at the next forward). Cancellation
+and deadlines per round and, while a long prompt is processed, per prefill chunk (ChunkedPrefill on d3d's
+target, the batch slots' own chunks in a batch; the methods on a runtime of their own check between prompt
+slices: Method.own_prefill)."""
 from __future__ import annotations
 
 import asyncio
@@ -152,30 +155,52 @@ class Progress:
 
 
 class Worker:
-    """One thread that runs generations one after the other, FIFO, with at most `max_queue` waiting."""
+    """Threads that run generations, FIFO, with at most `max_queue` waiting: one, or `max_batch` lanes on a
+    Scheduler when the method batches (else one, and `batch_note` says why)."""
 
-    def __init__(self, gen: Generator, max_queue: int, metrics: "Metrics", prefill_chunk: int = PREFILL_CHUNK):
+    def __init__(self, gen: Generator, max_queue: int, metrics: "Metrics", prefill_chunk: int | None = PREFILL_CHUNK,
+                 max_batch: int = 1):
         if max_queue < 1:
             raise D3DError(f"max_queue must be >= 1 (got {max_queue})")
+        if max_batch < 1:
+            raise D3DError(f"max_batch must be >= 1 (got {max_batch})")
         self.gen, self.max_queue, self.metrics = gen, max_queue, metrics
-        self.prefill = ChunkedPrefill(gen.model, prefill_chunk)
+        self.prefill = ChunkedPrefill(gen.model, prefill_chunk or PREFILL_CHUNK)
+        self.scheduler, self.batch_note, lanes = None, "", [gen]
+        if max_batch > 1:
+            if not gen.batches:
+                self.batch_note = f"method {gen.method} does not run batched: one request at a time"
+            elif not ChunkedPrefill.supports(gen.model):
+                self.batch_note = "this target's runtime does not run batched: one request at a time"
+            else:
+                from ..scheduler import Scheduler
+
+                self.scheduler = Scheduler(gen.model, max_batch, prefill_chunk=prefill_chunk)
+                lanes = gen.on_slots([self.scheduler.acquire() for _ in range(max_batch)])
+        self.lanes = lanes
         self.queue: queue.Queue[Job | None] = queue.Queue()
         self.lock = threading.Lock()
         self.waiting = 0
         self.running = 0
-        self.thread = threading.Thread(target=self._loop, name="d3d-generation", daemon=True)
-        self.thread.start()
+        self.threads = [threading.Thread(target=self._loop, args=(lane,), name=f"d3d-generation-{i}", daemon=True)
+                        for i, lane in enumerate(lanes)]
+        for t in self.threads:
+            t.start()
+
+    @property
+    def max_batch(self) -> int:
+        return len(self.lanes)
 
     @property
     def alive(self) -> bool:
-        return self.thread.is_alive()
+        return all(t.is_alive() for t in self.threads) and (self.scheduler is None or self.scheduler.thread.is_alive())
 
     def submit(self, job: Job) -> None:
-        """Queue `job`, or QueueFull when max_queue jobs already wait behind the running one. An idle
-        worker's first queued job is about to run, not waiting behind one: without that, a burst of
-        max_queue + 1 requests at an idle server got a 503 whenever the thread had not dequeued yet."""
+        """Queue `job`, or QueueFull when max_queue jobs already wait behind the running ones. A job that an
+        idle lane is about to take is not waiting behind one: without that, a burst of max_queue + 1
+        requests at an idle server got a 503 whenever the thread had not dequeued yet."""
         with self.lock:
-            if self.waiting >= self.max_queue + (self.running == 0):
+            if self.waiting >= self.max_queue + max(0, len(self.lanes) - self.running):
                 raise QueueFull
             self.waiting += 1
         self.queue.put(job)
@@ -200,9 +225,12 @@ class Worker:
             return True
 
     def stop(self) -> None:
-        self.queue.put(None)
+        for _ in self.threads:
+            self.queue.put(None)
+        if self.scheduler is not None:
+            self.scheduler.stop()
 
-    def _loop(self) -> None:
+    def _loop(self, lane: Generator) -> None:
         while True:
             job = self.queue.get()
             if job is None:
@@ -210,18 +238,34 @@ class Worker:
             with self.lock:
                 if job.state != "queued":
                     continue
-                job.state, self.waiting, self.running = "running", self.waiting - 1, 1
+                job.state, self.waiting, self.running = "running", self.waiting - 1, self.running + 1
             try:
-                event = self._run(job)
+                event = self._run(job, lane)
             except Exception as e:  # a bug outside the generation itself: answer, log, keep serving
                 log.exception("job failed")
                 job.state, event = "done", Failed(ApiError(500, f"internal error: {type(e).__name__}"))
+            finally:
+                if self.scheduler is not None:
+                    self.scheduler.leave(lane.model.slot)
             with self.lock:
-                self.running = 0
+                self.running -= 1
             job.emit(event)  # after the bookkeeping: a client that has its answer sees an idle worker
 
-    def _run(self, job: Job) -> Event:
-        r, tok = job.req, self.gen.tokenizer
+    @contextmanager
+    def _prefill_checked(self, lane: Generator, check):
+        """Between prompt chunks, `check()`: a batch slot's own chunks, else ChunkedPrefill on the target."""
+        if self.scheduler is None:
+            with self.prefill.active(check):
+                yield
+            return
+        lane.model.check = check
+        try:
+            yield
+        finally:
+            lane.model.check = None
+
+    def _run(self, job: Job, lane: Generator) -> Event:
+        r, tok = job.req, lane.tokenizer
         recorder = None if r.logprobs is None else LogprobRecorder(r.logprobs)
         fmt = None if recorder is None else LogprobFormatter(tok, r.chat, r.logprobs)
         streamer = TextStreamer(tok, r.stop) if r.stream else None
@@ -248,8 +292,8 @@ class Worker:
                 raise DeadlineReached
 
         try:
-            with self.prefill.active(check):
-                res = self.gen.run(r.prompt_ids, r.params, r.max_tokens, r.stop, on_round=on_round,
+            with self._prefill_checked(lane, check):
+                res = lane.run(r.prompt_ids, r.params, r.max_tokens, r.stop, on_round=on_round,
                                    logprobs=recorder, on_branch=lambda b: branch.__setitem__(0, b),
                                    prefill_check=check)
         except Cancelled:

@@ -1,0 +1,240 @@
+"""`d3d loadtest --phases throughput`: what concurrent clients get from a server, d3d's and llama.cpp's.
+
+For each server (d3d serve with each of `methods`, started with --no-learn so that no answer is drafted from an
+earlier one, and --max-batch; then llama.cpp's own server on the same weights, where llama-cpp-python[server] is
+installed) and each number of clients in `concurrency`, every client sends streamed greedy chat requests, one
+after the other, from one shared list of distinct prompts (unseen benchmark questions: code, chat, math) until
+the list is done. Reported per level: aggregate completion tokens per second (all tokens over the wall time of
+the level), per-request decode tokens/s (tokens after the first over the time after the first), time to first
+token p50 / p95, and the status codes. Every answer at more than one client is compared with the same server's
+answer at one client (its solo answer): `identical_to_solo`. Then, on d3d's servers, `long_prompt_ttft`: short
+requests sent while a prompt of `long_prompt_tokens` tokens is being prefilled, their time to first token.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from .loadtest_base import Endpoint, LoadTest, free_port, percentile, scan_log, wait_healthy
+
+CONCURRENCY = (1, 2, 4, 8)
+
+
+def throughput_prompts(n: int) -> list[str]:
+    """n distinct user messages taken in turn from HumanEval, MT-Bench (first turns) and GSM8K, from the end of
+    each set (the benchmark commands of README start at the front)."""
+    from ..corpus.prompts import benchmark_prompts
+
+    sets = [benchmark_prompts("humaneval")[::-1], [m.turns[0] for m in benchmark_prompts("mt-bench")][::-1],
+            benchmark_prompts("gsm8k")[::-1]]
+    return [sets[i % 3][i // 3] for i in range(n)]
+
+
+def stream_chat(ep: Endpoint, prompt: str, max_tokens: int, timeout: float = 900) -> dict:
+    """One streamed greedy chat completion: status, time to first token, total time, completion tokens (usage,
+    else content chunks) and text."""
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {ep.key}"} if ep.key else {})
+    conn = http.client.HTTPConnection(ep.host, ep.port, timeout=timeout)
+    t0 = time.perf_counter()
+    out = {"status": None, "ttft_s": None, "total_s": None, "tokens": 0, "text": ""}
+    try:
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(body).encode(), headers=headers)
+        resp = conn.getresponse()
+        out["status"] = resp.status
+        if resp.status != 200:
+            resp.read()
+            return out
+        chunks, usage = 0, None
+        for line in resp:
+            line = line.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            event = json.loads(line[5:])
+            usage = event.get("usage") or usage
+            for choice in event.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    out["ttft_s"] = out["ttft_s"] or time.perf_counter() - t0
+                    out["text"] += piece
+                    chunks += 1
+        out["total_s"] = time.perf_counter() - t0
+        out["tokens"] = (usage or {}).get("completion_tokens") or chunks
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        conn.close()
+    return out
+
+
+def run_level(ep: Endpoint, prompts: list[str], clients: int, max_tokens: int) -> tuple[dict, list[dict]]:
+    """All `prompts` sent by `clients` concurrent clients: the level's summary and each request's record."""
+    todo: queue.Queue = queue.Queue()
+    for i, p in enumerate(prompts):
+        todo.put((i, p))
+    records: list[dict | None] = [None] * len(prompts)
+
+    def client():
+        while True:
+            try:
+                i, p = todo.get_nowait()
+            except queue.Empty:
+                return
+            records[i] = stream_chat(ep, p, max_tokens)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    ok = [r for r in records if r["status"] == 200 and r["ttft_s"] is not None]
+    decode = [(r["tokens"] - 1) / (r["total_s"] - r["ttft_s"]) for r in ok if r["tokens"] > 1 and r["total_s"] > r["ttft_s"]]
+    statuses: dict[str, int] = {}
+    for r in records:
+        statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
+    summary = {"clients": clients, "requests": len(prompts), "wall_s": round(wall, 2),
+               "completion_tokens": sum(r["tokens"] for r in ok),
+               "aggregate_tokens_per_s": round(sum(r["tokens"] for r in ok) / wall, 2),
+               "per_request_tokens_per_s_p50": percentile(decode, 0.5),
+               "ttft_p50_s": percentile([r["ttft_s"] for r in ok], 0.5),
+               "ttft_p95_s": percentile([r["ttft_s"] for r in ok], 0.95), "statuses": statuses}
+    return summary, records
+
+
+def long_prompt_ttft(ep: Endpoint, text: str, prompt_tokens: int, shorts: int = 6) -> dict:
+    """Short streamed requests sent one after the other while `text` (a prompt of `prompt_tokens` tokens) is
+    being prefilled (sent first, 0.3 s ahead): their time to first token, and the long request's own."""
+    long = {}
+    t = threading.Thread(target=lambda: long.update(stream_chat(ep, text, 8)))
+    t.start()
+    time.sleep(0.3)
+    records = [stream_chat(ep, p, 8) for p in throughput_prompts(shorts)]
+    t.join()
+    ttfts = [r["ttft_s"] for r in records if r["ttft_s"] is not None]
+    return {"prompt_tokens": prompt_tokens, "long_ttft_s": long.get("ttft_s") and round(long["ttft_s"], 2),
+            "long_status": long.get("status"), "short_requests": shorts,
+            "short_ttft_p50_s": percentile(ttfts, 0.5), "short_ttft_p95_s": percentile(ttfts, 0.95),
+            "shorts_during_prefill": sum(r["ttft_s"] is not None and r["total_s"] is not None for r in records),
+            "short_statuses": sorted({str(r["status"]) for r in records})}
+
+
+def d3d_server(cfg: LoadTest, method: str, max_batch: int, log) -> tuple[subprocess.Popen, int]:
+    """`d3d serve` with `method`, --no-learn and --max-batch on a free loopback port, its output to `log`."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "d3d.cli", "serve", "--method", method, "--threads", str(cfg.threads),
+           "--port", str(port), "--max-queue", str(max(16, 2 * max_batch)), "--no-learn", "--max-batch",
+           str(max_batch)] + (["--target", cfg.target] if cfg.target else [])
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), port
+
+
+def llama_cpp_server(cfg: LoadTest, log) -> tuple[subprocess.Popen, int, str] | None:
+    """llama-cpp-python's OpenAI server on the target's weights as a GGUF (F32: the precision d3d serves), or
+    None where llama-cpp-python[server] is not installed."""
+    try:
+        import llama_cpp.server  # noqa: F401
+    except ImportError:
+        return None
+    from ..methods.llamacpp import reference_gguf
+    from ..runtime.checkpoints import resolve_target
+
+    gguf = reference_gguf(resolve_target(cfg.target), "f32")
+    port = free_port()
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--n_threads", str(cfg.threads),
+           "--n_threads_batch", str(cfg.threads), "--n_ctx", "8192", "--host", "127.0.0.1", "--port", str(port)]
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), port, gguf.name
+
+
+def measure_server(ep: Endpoint, proc, prompts: list[str], cfg: LoadTest, levels: tuple[int, ...],
+                   long_prompt: tuple[str, int] | None) -> dict:
+    wait_healthy(ep, proc)
+    stream_chat(ep, prompts[0], 8)  # warm-up: kernels, caches, the first allocation
+    out, solo = {"levels": []}, None
+    for clients in levels:
+        summary, records = run_level(ep, prompts, clients, cfg.max_tokens)
+        if solo is None:
+            solo = records
+        else:
+            summary["identical_to_solo"] = sum(r["text"] == s["text"] and r["tokens"] == s["tokens"]
+                                               for r, s in zip(records, solo) if r["status"] == 200)
+        out["levels"].append(summary)
+        print(json.dumps(summary), file=sys.stderr, flush=True)
+    if long_prompt:
+        out["long_prompt_ttft"] = long_prompt_ttft(ep, *long_prompt)
+        print(json.dumps(out["long_prompt_ttft"]), file=sys.stderr, flush=True)
+    return out
+
+
+def run_throughput(cfg: LoadTest, methods: list[str], levels: tuple[int, ...] = CONCURRENCY,
+                   requests: int | None = None, llama_cpp: bool = True, max_batch: int | None = None) -> dict:
+    """The throughput phase (see the module doc) for each of `methods` and, if installed, llama.cpp's server;
+    `requests`: prompts per level (default: twice the most clients); max_batch: d3d's --max-batch (default: the
+    most clients)."""
+    from ..runtime.checkpoints import resolve_target
+    from ..runtime.kernels import runtime_info
+    from ..runtime.loading import load_tokenizer
+    from .loadtest_hold import long_text
+
+    prompts = throughput_prompts(requests or 2 * max(levels))
+    tok = load_tokenizer(resolve_target(cfg.target))
+    long = long_text(lambda t: tok.encode(t), cfg.long_prompt_tokens, prompts)
+    out = {"phase": "throughput", "target": cfg.target, "max_tokens": cfg.max_tokens, "threads": cfg.threads,
+           "requests": len(prompts), "concurrency": list(levels), "max_batch": max_batch or max(levels),
+           "runtime": runtime_info(), "servers": {}}
+    for name in [*methods, *(["llama.cpp"] if llama_cpp else [])]:
+        with tempfile.TemporaryFile() as log:
+            if name == "llama.cpp":
+                started = llama_cpp_server(cfg, log)
+                if started is None:
+                    out["servers"][name] = {"skipped": "needs llama-cpp-python[server]: pip install "
+                                                       "'llama-cpp-python[server]==0.3.36'"}
+                    continue
+                proc, port, gguf = started
+            else:
+                proc, port = d3d_server(cfg, name, max_batch or max(levels), log)
+            ep = Endpoint("127.0.0.1", port, None, proc.pid)
+            try:
+                result = measure_server(ep, proc, prompts, cfg, levels, None if name == "llama.cpp" else long)
+                if name == "llama.cpp":
+                    result["gguf"] = gguf
+                result["rss_mb"] = ep.rss_mb()
+            finally:
+                proc.terminate()
+                proc.wait(30)
+                log.seek(0)
+                text = log.read().decode(errors="replace")
+            result["server_log"] = scan_log(text)
+            out["servers"][name] = result
+    return out
+
+
+def throughput_table(out: dict) -> str:
+    """A markdown table of a throughput run: per server and level, aggregate tokens/s and its ratio to the same
+    server at one client, per-request tokens/s, time to first token, answers identical to solo, non-200s."""
+    rows = ["| server | clients | aggregate tok/s | x 1 client | per-request tok/s (p50) | TTFT p50 / p95 s "
+            "| identical to solo | non-200 |", "|---|---|---|---|---|---|---|---|"]
+    for name, result in out["servers"].items():
+        if "skipped" in result:
+            rows.append(f"| {name} | skipped: {result['skipped']} | | | | | | |")
+            continue
+        base = result["levels"][0]["aggregate_tokens_per_s"] or None
+        for lv in result["levels"]:
+            bad = sum(n for code, n in lv["statuses"].items() if code != "200")
+            same = lv.get("identical_to_solo")
+            rows.append(f"| {name} | {lv['clients']} | {lv['aggregate_tokens_per_s']} | "
+                        f"{lv['aggregate_tokens_per_s'] / base if base else 0:.2f} | {lv['per_request_tokens_per_s_p50']} | "
+                        f"{lv['ttft_p50_s']} / {lv['ttft_p95_s']} | "
+                        f"{'(solo)' if same is None else str(same) + '/' + str(lv['requests'])} | {bad} |")
+        lp = result.get("long_prompt_ttft")
+        if lp:
+            rows.append(f"| {name}: short requests during a {lp['prompt_tokens']}-token prefill | | | | | "
+                        f"{lp['short_ttft_p50_s']} / {lp['short_ttft_p95_s']} | | |")
+    return "\n".join(rows)
