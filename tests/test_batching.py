@@ -101,7 +101,7 @@ def run_together(scheduler: Scheduler, jobs: list) -> list:
     return out
 
 
-@pytest.mark.parametrize("method", ["ar", "ngram", "lookup-tree"])
+@pytest.mark.parametrize("method", ["ar", "ngram", "lookup-tree", "d3d", "d3d-tree"])
 def test_concurrent_greedy_answers_are_the_solo_answers(smol, prompt_ids, ar_tokens, method):
     """Four generations at once, one of them with its prompt fed in chunks between the others' rounds."""
     model, tok, model_dir = smol
@@ -144,12 +144,17 @@ def test_a_prompt_is_fed_in_chunks_and_can_be_stopped(smol, prompt_ids):
         scheduler.stop()
 
 
-def test_sampling_in_a_batch_keeps_the_law():
-    """lookup-tree sampling (top-k + top-p) while another generation shares every forward: the output law is
-    the target's exact law, and drafts were accepted."""
+@pytest.mark.parametrize("method", ["lookup-tree", "d3d"])
+def test_sampling_in_a_batch_keeps_the_law(method):
+    """Sampling (top-k + top-p) while another generation shares every forward, so that the load-aware choices
+    are made (lookup-tree's tree width, d3d's draft length: d3d.decoding.budget): the output law is the target's
+    exact law, and drafts were accepted."""
     from d3d.decoding.tree import generate_tree
     from d3d.decoding.treecost import WidthCost
+    from d3d.methods.d3d import D3DProposer
     from d3d.methods.tree import TreeProposer
+    from helpers import tiny_drafter
+    from sampling_law import BLOCK_TINY, NOISE
 
     model = tiny_model()
     scheduler = Scheduler(model, 2, max_len=64, prefill_chunk=64)
@@ -159,20 +164,25 @@ def test_sampling_in_a_batch_keeps_the_law():
     def keep_busy():
         while not done.is_set():
             generate(companion, StubTokenizer(), [4, 5, 6], max_new_tokens=8)
-        scheduler.release(companion.slot)
+        scheduler.leave(companion.slot)
 
     busy = threading.Thread(target=keep_busy)
     busy.start()
     try:
-        cost = WidthCost({1: 1.0, 2: 1.2, 8: 1.6}, load=slot.batch_load)
-        tree = TreeProposer(None, budget=8, cost=cost, datastore=tiny_datastore(model, PROMPT_ALL))
-        run = lambda p: generate_tree(slot, StubTokenizer(), PROMPT_ALL, p, MAX_NEW_ALL, proposer=tree,
-                                      max_depth=3)
+        if method == "lookup-tree":
+            cost = WidthCost({1: 1.0, 2: 1.2, 8: 1.6}, load=slot.batch_load)
+            tree = TreeProposer(None, budget=8, cost=cost, datastore=tiny_datastore(model, PROMPT_ALL))
+            run = lambda p: generate_tree(slot, StubTokenizer(), PROMPT_ALL, p, MAX_NEW_ALL, proposer=tree,
+                                          max_depth=3)
+        else:
+            model._d3d_width_curve = (torch.get_num_threads(), {1: 1.0, 2: 1.05, 8: 1.3})  # drafts pay, cut short
+            proposer = D3DProposer(tiny_drafter(tiny_model(NOISE), BLOCK_TINY), 8, max_len=64)
+            run = lambda p: generate(slot, StubTokenizer(), PROMPT_ALL, p, MAX_NEW_ALL, proposer=proposer,
+                                     block_size=BLOCK_TINY)
         samples, rounds = draw(run, TRUNCATED, N_ALL, FIRST)
     finally:
         done.set()
         busy.join()
-        scheduler.release(slot.slot)
         scheduler.stop()
     dist = exact_law(model, PROMPT_ALL, TRUNCATED, FIRST, EOS)
     assert set(samples) <= set(dist)

@@ -4,7 +4,9 @@ full, a disconnecting client frees its slot, /metrics and /health, logprobs, ori
 body-size checks, the Python API, and the web page in headless Chromium (typed prompt, streamed
 answer, screenshot).
 
-One server subprocess (`--method ngram --threads 1 --max-queue 3`) serves most tests; answers are
+One server subprocess (`--method ngram --threads 1 --max-queue 3 --max-batch 1`: one generation at a time, so
+that the queue tests know what runs) serves most tests; an in-process one with --max-batch 3 serves concurrent
+requests in batched forwards (continuous batching, d3d.scheduler). Answers are
 kept short (<= 16 tokens) because the machine is small. An in-process server with a scripted runner
 (exact rounds) and an API key, an extra allowed origin and a request timeout covers authentication,
 CORS, disconnects within one round, deadlines and a failing generation.
@@ -109,7 +111,8 @@ def env(tmp_path_factory):
     port = _free_port()
     log = open(tmp / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "d3d.cli", "serve", "--method", "ngram", "--threads", "1",
-                             "--port", str(port), "--max-queue", str(MAX_QUEUE)], stdout=log, stderr=subprocess.STDOUT)
+                             "--port", str(port), "--max-queue", str(MAX_QUEUE), "--max-batch", "1"], stdout=log,
+                            stderr=subprocess.STDOUT)
     cli = subprocess.Popen([sys.executable, "-m", "d3d.cli", "generate", PROMPT_A, "--method", "ngram",
                             "--max-new-tokens", str(MAX), "--json", "--threads", "1"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -697,6 +700,53 @@ class ScriptedRunner:
             self.rounds += 1
         res.text = self.tokenizer.decode(res.token_ids)
         return res
+
+
+@pytest.mark.slow
+def test_batched_server_answers_are_the_solo_answers(env):
+    """--max-batch 3: three streamed and three plain requests at once, on the lanes of one scheduler; every answer
+    is the target's own, rounds were shared, and /metrics and /health show the batch."""
+    import uvicorn
+
+    from d3d.api import load
+    from d3d.server import create_app
+
+    refs = env[1]
+    app = create_app(load(method="lookup-tree", learn=False), max_queue=8, max_batch=3)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    _wait(lambda: server.started)
+    try:
+        client, results = Server(port), {}
+
+        def ask(i: int) -> None:
+            prompt = (PROMPT_A, PROMPT_B)[i % 2]
+            if i < 3:
+                conn, resp = client.open_stream("/v1/chat/completions", chat(prompt, stream=True))
+                text = streamed_text(list(client.events(resp)))[0]
+                conn.close()
+                results[i] = (200, prompt, text)
+            else:
+                status, out = client.post("/v1/chat/completions", chat(prompt))
+                results[i] = (status, prompt, out["choices"][0]["message"]["content"])
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for status, prompt, text in results.values():
+            assert status == 200 and text == refs[prompt].text
+        m = client.metrics()
+        assert m["d3d_max_batch"] == 3 and m["d3d_generations_total"] == 6
+        assert 0 < m["d3d_batched_forwards_total"] < 6 * MAX  # forwards were shared
+        assert client.request("GET", "/health")[1]["max_batch"] == 3
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        app.state.worker.stop()
 
 
 @pytest.fixture(scope="module")

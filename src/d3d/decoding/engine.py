@@ -206,6 +206,19 @@ def sync_device(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def batch_draft_length(model, block_size: int):
+    """For a generation in a batch (a d3d.scheduler.SlotModel: `batch_load`), the DraftLength that sizes its
+    drafts for the batch (d3d.decoding.budget); None alone, where every round drafts its whole block."""
+    load = getattr(model, "batch_load", None)
+    if load is None:
+        return None
+    from .budget import DraftLength
+    from .treecost import WidthCost, measured_curve
+
+    curve = measured_curve(model)
+    return None if not curve else DraftLength(WidthCost(curve, load=load), block_size - 1)
+
+
 @torch.no_grad()
 def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams | None = None,
              max_new_tokens: int = 128, proposer: Proposer | None = None, block_size: int = 16,
@@ -226,6 +239,7 @@ def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams | N
     res = GenerationResult(prompt_ids=list(prompt_ids))
     model.setup_cache(1, len(prompt_ids) + max_new_tokens + block_size + 1)
     taps_of = None if proposer is None else proposer.hidden_layers or None
+    budget = batch_draft_length(model, block_size) if proposer is not None else None
     tokens, reason, t1 = prefill(model, res, stopper, prompt_ids, params, gen, device, on_round, logprobs, proposer)
     while reason is None:
         if proposer is None:
@@ -235,12 +249,19 @@ def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams | N
             res.acceptance_lengths.append(1)
         else:
             k = min(block_size - 1, max_new_tokens - len(res.token_ids) - 1)
+            if budget is not None:
+                k = budget.choose(k)
+                budget.start()
             draft, q = proposer.propose(tokens, k) if k > 0 else ([], None)
+            if budget is not None and k > 0:
+                budget.drafted()
             base = len(tokens) - 1
             logits = model(torch.tensor([[tokens[-1]] + draft], device=device), hidden_layers=taps_of)
             if taps_of:
                 logits, taps = logits
             n, nxt = verify(draft, logits[0], params, gen, q)
+            if budget is not None:
+                budget.observe(len(draft), n)
             model.rollback(base + 1 + n)
             proposer.accept(draft, n)
             if taps_of:

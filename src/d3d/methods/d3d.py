@@ -30,4 +30,4 @@ def _d3d_runner(s: Setup):
 
 
 D3D_METHOD = register(Method("d3d", _d3d_runner, help="the D3D diffusion drafter, draft then verify",
-                            drafter_kind=D3D.name))
+                            drafter_kind=D3D.name, batches=True))

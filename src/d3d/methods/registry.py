@@ -66,15 +66,20 @@ class Setup:
         path = Path(self.drafter_path).resolve()
         written = (path / "drafter.json").stat().st_mtime_ns if (path / "drafter.json").exists() else None
         key = (str(path), written, device or self.device, self.quantize_drafter)
-        loaded = _LOADED_DRAFTERS.setdefault(self.model, {})
+        target = getattr(self.model, "base_model", self.model)  # a batch slot's (d3d.scheduler): its target's
+        loaded = _LOADED_DRAFTERS.setdefault(target, {})
         if key not in loaded:
-            loaded[key] = load_drafter(self.drafter_path, self.model, self.tokenizer, device=key[2],
+            loaded[key] = load_drafter(self.drafter_path, target, self.tokenizer, device=key[2],
                                        quantize=self.quantize_drafter)
         d = loaded[key]
         if d.cfg.kind != kind.name:
             hint = next((m.name for m in REGISTRY.values() if m.drafter_kind == d.cfg.kind), "?")
             raise D3DError(f"method {method} needs a drafter of kind {kind.name!r}; {self.drafter_path} is "
                            f"{d.cfg.kind!r} (a drafter of kind {d.cfg.kind!r} is for --method {hint})")
+        if target is not self.model:  # each generation of a batch drafts on a KV cache of its own
+            from ..runtime.batch import with_own_cache
+
+            return with_own_cache(d)
         return d
 
 

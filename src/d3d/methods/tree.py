@@ -325,7 +325,7 @@ def _lookup_tree_runner(s: Setup):
                             tree, block_size=s.block_size, **_tree_settings(tree))
 
 
-D3D_TREE = register(Method("d3d-tree", _tree_runner, drafter_kind=D3D.name, retrieves=True, branches=True,
+D3D_TREE = register(Method("d3d-tree", _tree_runner, drafter_kind=D3D.name, retrieves=True, branches=True, batches=True,
                            help="the drafter's block, its alternatives, n-gram matches and continuations "
                                 "retrieved from the target's own outputs (the shipped datastore and, unless "
                                 "learning is off, the runner's earlier generations) verified as one token tree"))

@@ -11,6 +11,8 @@ the PyTorch layers, each on its own slot of the cache: the same results, without
 """
 from __future__ import annotations
 
+import copy
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -102,3 +104,33 @@ class BatchedTarget:
             for att, (k, v) in zip(atts, saved[0]):
                 att.k_cache, att.v_cache = k, v
             m.cache_len, m.cache_size = saved[1], saved[2]
+
+
+def with_own_cache(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model` (a runtime Transformer, or a drafter built on one) that shares every tensor it holds,
+    weights, buffers and packed C++ weights alike, but has module objects, and so a KV cache, of its own: what
+    each generation of a batch drafts with (a drafter's cache follows its own text). Costs no weight memory."""
+    memo: dict[int, object] = {}
+
+    def share(value) -> None:
+        if isinstance(value, torch.Tensor):
+            memo[id(value)] = value
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                share(v)
+        elif isinstance(value, dict):
+            for v in value.values():
+                share(v)
+
+    for m in model.modules():
+        share(vars(m))
+    twin = copy.deepcopy(model, memo)
+    if hasattr(twin, "release_cache"):
+        twin.release_cache()
+    else:
+        for layer in twin.layers:
+            layer.attention.k_cache = layer.attention.v_cache = None
+        twin.kv_cache, twin.cache_views, twin.cache_len = None, [], 0
+    if getattr(model, "cpu_layers_of", None) is not None and model.cpu_layers_of() is model.layers:
+        twin.cpu_layers_of = weakref.ref(twin.layers)  # the packed layers are the twin's own (shared weights)
+    return twin

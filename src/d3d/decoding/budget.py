@@ -1,0 +1,58 @@
+"""How many drafts a generation in a batch verifies per round (d3d.scheduler): alone a drafter's block is
+verified whole, as it always was; in a batch every extra token widens a forward that the other generations
+wait for, so the draft is cut to the length that gives the batch the most committed tokens per second, and
+to nothing where drafting does not pay at all.
+
+The choice uses the measured width cost curve (d3d.decoding.treecost.WidthCost), the other generations' last
+forward (SlotModel.batch_load), this generation's acceptance rate per draft position (decayed counts, from
+verified rounds only) and the seconds its proposer takes per round (in a batch the generations' Python and
+drafter work runs one after the other, so it delays every forward). It is fixed before the round from earlier
+rounds, so sampling stays exact.
+"""
+from __future__ import annotations
+
+import time
+
+PRIOR = (1.0, 2.0)   # per-position acceptance before any round: 1 accepted of 2 tried
+DECAY = 0.95
+PROBE_ROUNDS = 8     # a generation that stopped drafting drafts again this often, to see whether it pays ...
+PROBE_LENGTH = 4     # ... this many tokens
+
+
+class DraftLength:
+    def __init__(self, cost, max_len: int):
+        self.cost, self.max_len = cost, max_len
+        self.counts = [list(PRIOR) for _ in range(max_len)]
+        self.propose_s, self.plain_rounds, self.t0 = 0.0, 0, 0.0
+
+    def choose(self, k: int) -> int:
+        """The draft length for this round, at most k."""
+        others = self.cost.others()
+        if others[0] == 0 or k <= 0:
+            return k
+        gain, reach, best, best_rate = 1.0, 1.0, 0, self.cost.rate(1.0, 1, others)
+        for j in range(min(k, self.max_len)):
+            right, tried = self.counts[j]
+            reach *= right / tried
+            gain += reach
+            width = others[0] + j + 2
+            rate = (gain + others[1]) / (self.cost(width) + self.cost.overhead + self.propose_s)
+            if rate > best_rate:
+                best, best_rate = j + 1, rate
+        if best == 0 and self.plain_rounds >= PROBE_ROUNDS:
+            best = min(k, PROBE_LENGTH)
+        self.plain_rounds = 0 if best else self.plain_rounds + 1
+        return best
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def drafted(self) -> None:
+        """The proposer has drafted (start() was called before it)."""
+        self.propose_s += 0.2 * (time.perf_counter() - self.t0 - self.propose_s)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A verified round: `accepted` of `drafted` drafts were accepted (a prefix)."""
+        for j in range(min(drafted, accepted + 1, self.max_len)):
+            right, tried = self.counts[j]
+            self.counts[j] = [DECAY * right + (j < accepted), DECAY * tried + 1]
