@@ -719,28 +719,30 @@ def test_batched_server_answers_are_the_solo_answers(env):
     thread.start()
     _wait(lambda: server.started)
     try:
+        from d3d.server.loadtest_base import Endpoint
+        from d3d.server.loadtest_throughput import run_level
+
         client, results = Server(port), {}
 
         def ask(i: int) -> None:
             prompt = (PROMPT_A, PROMPT_B)[i % 2]
-            if i < 3:
-                conn, resp = client.open_stream("/v1/chat/completions", chat(prompt, stream=True))
-                text = streamed_text(list(client.events(resp)))[0]
-                conn.close()
-                results[i] = (200, prompt, text)
-            else:
-                status, out = client.post("/v1/chat/completions", chat(prompt))
-                results[i] = (status, prompt, out["choices"][0]["message"]["content"])
+            status, out = client.post("/v1/chat/completions", chat(prompt))
+            results[i] = (status, prompt, out["choices"][0]["message"]["content"])
 
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
         for t in threads:
             t.start()
+        prompts = [PROMPT_B, PROMPT_A, PROMPT_B]  # streamed, through d3d loadtest --throughput's client
+        summary, records = run_level(Endpoint("127.0.0.1", port), prompts, 3, MAX)
         for t in threads:
             t.join()
         for status, prompt, text in results.values():
             assert status == 200 and text == refs[prompt].text
+        for prompt, r in zip(prompts, records):
+            assert r["status"] == 200 and r["text"] == refs[prompt].text and r["tokens"] == refs[prompt].new_tokens
+        assert summary["completion_tokens"] == sum(r["tokens"] for r in records) and summary["ttft_p95_s"] > 0
         m = client.metrics()
-        assert m["d3d_max_batch"] == 3 and m["d3d_generations_total"] == 6
+        assert m["d3d_max_batch"] == 3 and m["d3d_generations_total"] == 6 and m["d3d_generation_running"] == 0
         assert 0 < m["d3d_batched_forwards_total"] < 6 * MAX  # forwards were shared
         assert client.request("GET", "/health")[1]["max_batch"] == 3
     finally:

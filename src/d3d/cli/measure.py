@@ -88,7 +88,7 @@ def _throughput(args: argparse.Namespace) -> None:
     from ..atomic import atomic_write_json
     from ..methods.catalog import best_method, parse_methods
     from ..server.loadtest import LoadTest
-    from ..server.loadtest_throughput import run_throughput, throughput_table
+    from ..server.loadtest_throughput import run_throughput, throughput_plot, throughput_table
 
     try:
         levels = tuple(int(c) for c in args.concurrency.split(",") if c.strip())
@@ -110,7 +110,8 @@ def _throughput(args: argparse.Namespace) -> None:
     print(throughput_table(out), file=sys.stderr)
     if args.out:
         atomic_write_json(Path(args.out), out)
-        print(f"wrote {args.out}", file=sys.stderr)
+        throughput_plot(out, Path(args.out).with_suffix(".png"))
+        print(f"wrote {args.out} and {Path(args.out).with_suffix('.png')}", file=sys.stderr)
 
 
 def cmd_loadtest(args: argparse.Namespace) -> None:

@@ -238,3 +238,31 @@ def throughput_table(out: dict) -> str:
             rows.append(f"| {name}: short requests during a {lp['prompt_tokens']}-token prefill | | | | | "
                         f"{lp['short_ttft_p50_s']} / {lp['short_ttft_p95_s']} | | |")
     return "\n".join(rows)
+
+
+def throughput_plot(out: dict, path) -> None:
+    """Aggregate tokens/s and time to first token (p95) against clients, one line per server, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for name, result in out["servers"].items():
+        if "levels" not in result:
+            continue
+        clients = [lv["clients"] for lv in result["levels"]]
+        left.plot(clients, [lv["aggregate_tokens_per_s"] for lv in result["levels"]], marker="o", label=name)
+        right.plot(clients, [lv["ttft_p95_s"] for lv in result["levels"]], marker="o", label=name)
+    for ax, title in ((left, "aggregate completion tokens/s"), (right, "time to first token, p95 (s)")):
+        ax.set_xlabel("concurrent clients")
+        ax.set_title(title)
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    cpu = out.get("runtime", {}).get("cpu", "")
+    fig.suptitle(f"{out.get('target') or 'SmolLM2-135M-Instruct'}: {out['max_tokens']} new tokens, greedy, "
+                 f"{out['threads']} threads, {cpu}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
