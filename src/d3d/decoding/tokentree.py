@@ -168,6 +168,8 @@ def tree_logits(model, tree: TokenTree) -> torch.Tensor:
     device = model.output.weight.device
     L = model.cache_len
     feed = torch.tensor([tree.tokens], device=device)
+    if len(tree) == 1:  # the root alone (no candidate this round): a plain step, the same row as under its mask
+        return model(feed)[0]
     return model(feed, mask=tree_mask(tree.parents, L, device), positions=tree_positions(tree.depths, L, device))[0]
 
 

@@ -150,13 +150,14 @@ def start_server(cfg: LoadTest, key: str, log) -> tuple[subprocess.Popen, int]:
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), port
 
 
-def wait_healthy(ep: Endpoint, proc: subprocess.Popen | None, timeout: float = 600) -> None:
+def wait_healthy(ep: Endpoint, proc: subprocess.Popen | None, timeout: float = 600, path: str = "/health") -> None:
+    """Until GET `path` answers 200 (llama.cpp's server has no /health: /v1/models there)."""
     deadline = time.monotonic() + timeout
     while True:
         if proc is not None and proc.poll() is not None:
             raise D3DError("the server exited while starting")
         try:
-            if ep.request("GET", "/health", timeout=30)[0] == 200:
+            if ep.request("GET", path, timeout=30)[0] == 200:
                 return
         except OSError:
             pass

@@ -21,6 +21,7 @@ import tempfile
 import threading
 import time
 
+from ..errors import D3DError
 from .loadtest_base import Endpoint, LoadTest, free_port, percentile, scan_log, wait_healthy
 
 CONCURRENCY = (1, 2, 4, 8)
@@ -154,8 +155,8 @@ def llama_cpp_server(cfg: LoadTest, log) -> tuple[subprocess.Popen, int, str] | 
 
 
 def measure_server(ep: Endpoint, proc, prompts: list[str], cfg: LoadTest, levels: tuple[int, ...],
-                   long_prompt: tuple[str, int] | None) -> dict:
-    wait_healthy(ep, proc)
+                   long_prompt: tuple[str, int] | None, health: str = "/health") -> dict:
+    wait_healthy(ep, proc, path=health)
     stream_chat(ep, prompts[0], 8)  # warm-up: kernels, caches, the first allocation
     out, solo = {"levels": []}, None
     for clients in levels:
@@ -202,10 +203,14 @@ def run_throughput(cfg: LoadTest, methods: list[str], levels: tuple[int, ...] = 
                 proc, port = d3d_server(cfg, name, max_batch or max(levels), log)
             ep = Endpoint("127.0.0.1", port, None, proc.pid)
             try:
-                result = measure_server(ep, proc, prompts, cfg, levels, None if name == "llama.cpp" else long)
                 if name == "llama.cpp":
+                    result = measure_server(ep, proc, prompts, cfg, levels, None, health="/v1/models")
                     result["gguf"] = gguf
+                else:
+                    result = measure_server(ep, proc, prompts, cfg, levels, long)
                 result["rss_mb"] = ep.rss_mb()
+            except (D3DError, OSError) as e:  # one server that fails does not lose the others' figures
+                result = {"error": f"{type(e).__name__}: {e}"}
             finally:
                 proc.terminate()
                 proc.wait(30)
@@ -222,8 +227,8 @@ def throughput_table(out: dict) -> str:
     rows = ["| server | clients | aggregate tok/s | x 1 client | per-request tok/s (p50) | TTFT p50 / p95 s "
             "| identical to solo | non-200 |", "|---|---|---|---|---|---|---|---|"]
     for name, result in out["servers"].items():
-        if "skipped" in result:
-            rows.append(f"| {name} | skipped: {result['skipped']} | | | | | | |")
+        if "levels" not in result:
+            rows.append(f"| {name} | {result.get('skipped') or result.get('error')} | | | | | | |")
             continue
         base = result["levels"][0]["aggregate_tokens_per_s"] or None
         for lv in result["levels"]:
