@@ -150,7 +150,8 @@ def llama_cpp_server(cfg: LoadTest, log) -> tuple[subprocess.Popen, int, str] | 
     gguf = reference_gguf(resolve_target(cfg.target), "f32")
     port = free_port()
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--n_threads", str(cfg.threads),
-           "--n_threads_batch", str(cfg.threads), "--n_ctx", "8192", "--host", "127.0.0.1", "--port", str(port)]
+           "--n_threads_batch", str(cfg.threads), "--n_ctx", "8192", "--host", "127.0.0.1", "--port", str(port),
+           "--interrupt_requests", "False"]  # by default a new request cuts the running one short
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), port, gguf.name
 
 
