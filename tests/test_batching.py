@@ -107,7 +107,7 @@ def test_concurrent_greedy_answers_are_the_solo_answers(smol, prompt_ids, ar_tok
     model, tok, model_dir = smol
     scheduler = Scheduler(model, 4, max_len=512, prefill_chunk=16)
     try:
-        n = 48
+        n = 32
 
         def job(ids):
             return lambda slot: make_runner(method, slot, tok, model_dir, learn=False)(
@@ -188,3 +188,18 @@ def test_sampling_in_a_batch_keeps_the_law(method):
     assert set(samples) <= set(dist)
     assert sum(n for length, n in rounds.items() if length > 1) > 100
     assert chi2_pvalue(samples, dist) > 1e-3
+
+
+def test_a_forward_takes_short_prompts_first_and_one_chunk_of_prompt_tokens():
+    from d3d.scheduler import Work
+
+    scheduler = Scheduler(tiny_model(), 4, max_len=64, prefill_chunk=16)
+    try:
+        def work(slot, width, keep):
+            return Work(Segment(slot, torch.zeros(width, dtype=torch.long), 0, torch.arange(width), keep=keep))
+
+        step, long_chunk, short, tree = work(0, 1, 0), work(1, 16, 1), work(2, 5, 1), work(3, 6, 0)
+        assert scheduler._fit([step, long_chunk, short, tree]) == [step, tree, short]  # the chunk waits
+        assert scheduler._fit([long_chunk, step]) == [step, long_chunk]  # alone, a prompt chunk always goes
+    finally:
+        scheduler.stop()

@@ -234,10 +234,11 @@ class Scheduler:
 
     def _fit(self, works: list[Work]) -> list[Work]:
         """The forwards to run now: every decoding round, and prompt chunks (segments that keep only their last
-        logits: a prompt's) up to `prefill_chunk` prompt tokens in all, the first always; the other prompt
-        chunks wait for the next forward. So one forward's time stays near a chunk's plus the rounds', however
-        many prompts arrive at once, and the running generations keep streaming."""
-        prompt = [w for w in works if w.segment.keep and w.segment.width > 1]
+        logits: a prompt's) up to `prefill_chunk` prompt tokens in all, shortest first and the first always;
+        the other prompt chunks wait for the next forward. So one forward's time stays near a chunk's plus the
+        rounds', however many prompts arrive at once, the running generations keep streaming, and a short
+        prompt is not queued behind the chunks of a long one."""
+        prompt = sorted((w for w in works if w.segment.keep and w.segment.width > 1), key=lambda w: w.segment.width)
         chosen, budget = [w for w in works if w not in prompt], self.prefill_chunk
         for i, w in enumerate(prompt):
             if i == 0 or w.segment.width <= budget:

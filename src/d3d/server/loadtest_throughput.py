@@ -25,6 +25,8 @@ from ..errors import D3DError
 from .loadtest_base import Endpoint, LoadTest, free_port, percentile, scan_log, wait_healthy
 
 CONCURRENCY = (1, 2, 4, 8)
+SHORT_PROMPTS = ["What is the capital of France? Answer briefly.", "List three primary colors.",
+                 "What is 17 * 23?", "Name a planet.", "Say hello in Spanish.", "What is the opposite of cold?"]
 
 
 def throughput_prompts(n: int) -> list[str]:
@@ -112,13 +114,14 @@ def run_level(ep: Endpoint, prompts: list[str], clients: int, max_tokens: int) -
 
 
 def long_prompt_ttft(ep: Endpoint, text: str, prompt_tokens: int, shorts: int = 6) -> dict:
-    """Short streamed requests sent one after the other while `text` (a prompt of `prompt_tokens` tokens) is
-    being prefilled (sent first, 0.3 s ahead): their time to first token, and the long request's own."""
+    """Short streamed requests (SHORT_PROMPTS, 8 tokens each) sent one after the other while `text` (a prompt of
+    `prompt_tokens` tokens) is being prefilled (sent first, 0.3 s ahead): their time to first token, and the long
+    request's own."""
     long = {}
     t = threading.Thread(target=lambda: long.update(stream_chat(ep, text, 8)))
     t.start()
     time.sleep(0.3)
-    records = [stream_chat(ep, p, 8) for p in throughput_prompts(shorts)]
+    records = [stream_chat(ep, p, 8) for p in (SHORT_PROMPTS * shorts)[:shorts]]
     t.join()
     ttfts = [r["ttft_s"] for r in records if r["ttft_s"] is not None]
     return {"prompt_tokens": prompt_tokens, "long_ttft_s": long.get("ttft_s") and round(long["ttft_s"], 2),
