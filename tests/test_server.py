@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -702,23 +703,33 @@ class ScriptedRunner:
         return res
 
 
-@pytest.mark.slow
-def test_batched_server_answers_are_the_solo_answers(env):
-    """--max-batch 3: three streamed and three plain requests at once, on the lanes of one scheduler; every answer
-    is the target's own, rounds were shared, and /metrics and /health show the batch."""
+@contextmanager
+def in_process(app):
+    """`app` served by uvicorn in a thread on a free loopback port (yielded) until the block ends."""
     import uvicorn
 
-    from d3d.api import load
-    from d3d.server import create_app
-
-    refs = env[1]
-    app = create_app(load(method="lookup-tree", learn=False), max_queue=8, max_batch=3)
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     _wait(lambda: server.started)
     try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.mark.slow
+def test_batched_server_answers_are_the_solo_answers(env):
+    """--max-batch 3: three streamed and three plain requests at once, on the lanes of one scheduler; every answer
+    is the target's own, rounds were shared, and /metrics and /health show the batch."""
+    from d3d.api import load
+    from d3d.server import create_app
+
+    refs = env[1]
+    app = create_app(load(method="lookup-tree", learn=False), max_queue=8, max_batch=3)
+    with in_process(app) as port:
         from d3d.server.loadtest_base import Endpoint
         from d3d.server.loadtest_throughput import run_level
 
@@ -745,16 +756,10 @@ def test_batched_server_answers_are_the_solo_answers(env):
         assert m["d3d_max_batch"] == 3 and m["d3d_generations_total"] == 6 and m["d3d_generation_running"] == 0
         assert 0 < m["d3d_batched_forwards_total"] < 6 * MAX  # forwards were shared
         assert client.request("GET", "/health")[1]["max_batch"] == 3
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        app.state.worker.stop()
 
 
 @pytest.fixture(scope="module")
 def scripted(env):
-    import uvicorn
-
     from d3d.api import Generator
     from d3d.server import create_app
 
@@ -762,16 +767,8 @@ def scripted(env):
     runner = ScriptedRunner(gen.tokenizer)
     app = create_app(Generator(gen.model, gen.tokenizer, gen.model_dir, "scripted", runner), max_queue=2,
                      api_key=KEY, allow_origins=[ALLOWED], request_timeout=DEADLINE)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    _wait(lambda: server.started)
-    try:
+    with in_process(app) as port:
         yield Server(port, KEY), runner
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 @pytest.mark.slow

@@ -133,7 +133,6 @@ class Scheduler:
         self.last_rows = 0         # rows of the last forward
         self.last_batch = 0        # generations in it
         self.last_drafts = 0       # tokens verified beyond each generation's pending one (its draft budget in use)
-        self.forward_s = 0.0       # seconds spent in batched forwards
         self.rows = 0              # rows fed in all
         self.stopped = False
         self.thread = threading.Thread(target=self._loop, name="d3d-scheduler", daemon=True)
@@ -252,7 +251,6 @@ class Scheduler:
             works = self._take()
             if self.stopped:
                 return
-            t0 = time.perf_counter()
             try:
                 logits = self.batch.forward([w.segment for w in works])
                 for w, lg in zip(works, logits):
@@ -260,7 +258,6 @@ class Scheduler:
             except BaseException as e:  # every waiting generation gets the error, the scheduler goes on
                 for w in works:
                     w.error = e if isinstance(e, D3DError) else D3DError(f"batched forward failed: {e}")
-            self.forward_s += time.perf_counter() - t0
             self.forwards += 1
             self.last_rows = sum(w.segment.width for w in works)
             self.rows += self.last_rows

@@ -35,8 +35,7 @@ class DraftLength:
             right, tried = self.counts[j]
             reach *= right / tried
             gain += reach
-            width = others[0] + j + 2
-            rate = (gain + others[1]) / (self.cost(width) + self.cost.overhead + self.propose_s)
+            rate = self.cost.rate(gain, j + 2, others, self.propose_s)  # the pending token and j + 1 drafts
             if rate > best_rate:
                 best, best_rate = j + 1, rate
         if best == 0 and self.plain_rounds >= PROBE_ROUNDS:

@@ -88,11 +88,11 @@ class WidthCost:
             return self.curve[lo]
         return self.curve[lo] + (width - lo) * (self.curve[hi] - self.curve[lo]) / (hi - lo)
 
-    def rate(self, gain: float, width: int, others: tuple[int, float] = (0, 0.0)) -> float:
+    def rate(self, gain: float, width: int, others: tuple[int, float] = (0, 0.0), extra: float = 0.0) -> float:
         """Expected committed tokens per second of a round that feeds `width` tokens and expects `gain`
         tokens, beside `others` = (width, tokens) of the rest of its batch: all of the forward's tokens over
-        its cost. overhead: the round's other costs (drafting)."""
-        return (gain + others[1]) / (self(others[0] + width) + self.overhead)
+        its cost. overhead: the round's other costs (drafting); extra: seconds more (a proposer's own time)."""
+        return (gain + others[1]) / (self(others[0] + width) + self.overhead + extra)
 
     def others(self) -> tuple[int, float]:
         return self.load() if self.load is not None else (0, 0.0)
