@@ -2,7 +2,7 @@
 // is FNV-1a over the output bits. Built once per vector path (and cross-built for aarch64, run under qemu)
 // by tests/test_kernel_paths.py, which checks that every build prints the same lines: the fp32 products
 // (1 to 16 rows, whole and partial k chunks, one row shared out at a half group), the int8 products with
-// row quantization, and a layer's row-by-row parts (norm, rotary, attention with and without a mask at
+// row quantization, the int4 products (4 and 8 bits, a partial super-block), and a layer's row-by-row parts (norm, rotary, attention with and without a mask at
 // head dims 64 and 128, SiLU).
 // Only IEEE-exact operations are involved (no libm beyond sqrt, fabs and nearbyint), so the lines are the
 // same on every CPU, not only on every path of one CPU.
@@ -14,6 +14,7 @@
 #include "fp32_kernel.h"
 #include "int8_kernel.h"
 #include "layer_kernel.h"
+#include "q4_kernel.h"
 
 namespace {
 
@@ -83,6 +84,33 @@ void int8_products() {
   }
 }
 
+void q4_products() {
+  namespace q4 = d3d::q4;
+  const int64_t N = 40, K = 300, SB = (K + q4::SUPER - 1) / q4::SUPER, NB = (N + q4::LANES - 1) / q4::LANES;
+  std::vector<float> bias = randoms(N);
+  for (int64_t planes : {1, 2}) {
+    std::vector<uint8_t> wq(NB * SB * planes * q4::PLANE), wsm(NB * SB * q4::SCALES);
+    std::vector<float> wdd(NB * SB * q4::FACTORS);
+    for (uint8_t& b : wq) b = uint8_t(int(next(128.f)) + 128);
+    for (uint8_t& b : wsm) b = uint8_t(int(next(32.f)) + 32);
+    for (float& f : wdd) f = next(0.01f) + 0.011f;
+    for (int64_t M : {1, 3, 4, 9}) {
+      std::vector<float> x = randoms(M * K, 3.f), xs(M * SB), y(M * N);
+      std::vector<int8_t> q(M * SB * q4::SUPER);
+      std::vector<int32_t> xsum(M * SB * q4::GROUPS);
+      for (int64_t m = 0; m < M; ++m)
+        q4::quantize_row(&x[m * K], K, &q[m * SB * q4::SUPER], &xs[m * SB], &xsum[m * SB * q4::GROUPS]);
+      q4::blocks(planes, q.data(), M, SB, xs.data(), xsum.data(), wq.data(), wsm.data(), wdd.data(), N, bias.data(),
+                 y.data(), 0, NB);
+      char name[64];
+      std::snprintf(name, sizeof name, "int4 %lld planes %lldx%lldx%lld", static_cast<long long>(planes),
+                    static_cast<long long>(M), static_cast<long long>(K), static_cast<long long>(N));
+      print(name, y);
+      print((std::string(name) + " quantized").c_str(), q);
+    }
+  }
+}
+
 void rows() {
   using namespace d3d::rows;
   for (int64_t D : {64, 128}) {
@@ -115,7 +143,9 @@ void rows() {
 int main() {
   std::printf("path %s\n", d3d::kernel_path());
   std::printf("int8 %s\n", d3d::int8::int8_path());
+  std::printf("int4 %s\n", d3d::q4::q4_path());
   fp32_products();
   int8_products();
+  q4_products();
   rows();
 }

@@ -112,11 +112,11 @@ def harness_lines(compiler: str, flags: list[str], out: Path, runner: list[str] 
 @pytest.fixture(scope="module")
 def reference_lines(tmp_path_factory) -> list[str]:
     lines = harness_lines("g++", NATIVE_FLAGS["scalar"], tmp_path_factory.mktemp("harness") / "scalar")
-    assert lines[:2] == ["path scalar", "int8 scalar"] and len(lines) > 20
-    hashes = dict(line.rsplit(" ", 1) for line in lines[2:])
+    assert lines[:3] == ["path scalar", "int8 scalar", "int4 scalar"] and len(lines) > 20
+    hashes = dict(line.rsplit(" ", 1) for line in lines[3:])
     for K in (576, 100):  # a one-row product shared out in half groups is the whole product
         assert hashes[f"fp32 1x{K} in half groups"] == hashes[f"fp32 1x{K}"]
-    return lines[2:]
+    return lines[3:]
 
 
 @pytest.mark.slow
@@ -124,7 +124,8 @@ def reference_lines(tmp_path_factory) -> list[str]:
 def test_the_kernel_loops_give_the_plain_loops_bits_without_torch(path, reference_lines, tmp_path):
     lines = harness_lines("g++", NATIVE_FLAGS[path], tmp_path / path)
     assert lines[0] == f"path {path}"
-    assert lines[2:] == reference_lines
+    assert lines[2] == f"int4 {'scalar' if path == 'scalar' else 'avx2' if path in ('avx2', 'avx512') else 'neon-dotprod'}"
+    assert lines[3:] == reference_lines
 
 
 @pytest.mark.slow
@@ -133,8 +134,8 @@ def test_the_avx_vnni_int8_products_give_the_plain_loops_bits(reference_lines, t
     if "avx_vnni" not in cpu_flags():
         pytest.skip(f"this CPU ({cpu_model()}) has no AVX-VNNI")
     lines = harness_lines("g++", ["-march=native", "-mno-avx512f"], tmp_path / "avx-vnni")
-    assert lines[:2] == ["path avx2", "int8 avx-vnni"]
-    assert lines[2:] == reference_lines
+    assert lines[:3] == ["path avx2", "int8 avx-vnni", "int4 avx2"]
+    assert lines[3:] == reference_lines
 
 
 @pytest.mark.slow
@@ -151,5 +152,6 @@ def test_aarch64_builds_give_the_same_bits_under_qemu(build, reference_lines, tm
     system_tool("qemu-aarch64", package="qemu-user")
     lines = harness_lines("aarch64-linux-gnu-g++", [*CROSS[build], "-static"], tmp_path / "harness",
                           runner=["qemu-aarch64", "-cpu", "max"])
-    assert lines[:2] == [f"path {build.split('+')[0]}", f"int8 {'neon-dotprod' if '+' in build else 'scalar'}"]
-    assert lines[2:] == reference_lines
+    dot = "neon-dotprod" if "+" in build else "scalar"
+    assert lines[:3] == [f"path {build.split('+')[0]}", f"int8 {dot}", f"int4 {dot}"]
+    assert lines[3:] == reference_lines

@@ -31,10 +31,11 @@ def _add_target_args(p: argparse.ArgumentParser, device: bool = True) -> None:
             p.add_argument(f"--{option}", default=None, help=f"{what} for {', '.join(methods)}")
         p.add_argument("--block-size", type=int, default=16, help="tokens verified per target forward")
         p.add_argument("--device", default="cpu")
-        p.add_argument("--quantize", choices=["int8"], default=None,
-                       help="int8 weights for target and drafter (CPU, d3d's own kernels); default: fp32")
-        p.add_argument("--quantize-drafter", choices=["int8"], default=None,
-                       help="int8 weights for the drafter only, whatever the target's precision (the output "
+        p.add_argument("--quantize", choices=["int8", "int4"], default=None,
+                       help="int8 or int4 weights for target and drafter (CPU, d3d's own kernels; int4 loads a "
+                            "GGUF target straight from its 4-bit tensors); default: fp32")
+        p.add_argument("--quantize-drafter", choices=["int8", "int4"], default=None,
+                       help="int8 or int4 weights for the drafter only, whatever the target's precision (the output "
                             "stays the target's; default: as --quantize)")
         p.add_argument("--compile", action="store_true",
                        help="compile the target's forward passes (torch.compile; fp32 CPU; 1-2 min at start)")
@@ -183,7 +184,7 @@ def _estimate(sub) -> None:
     p.add_argument("--limit", type=int, default=4, help="first N prompts of each benchmark")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--cache", default="runs/continuations.json", help="the target's continuations (reused)")
-    p.add_argument("--quantize-drafter", choices=("int8",), default=None, help="quantize the drafters only")
+    p.add_argument("--quantize-drafter", choices=("int8", "int4"), default=None, help="quantize the drafters only")
     p.add_argument("--save", default=None, help="write the whole-target drafter here (a delta checkpoint)")
     p.add_argument("--out", required=True, help="JSON report; drafters are added to one with the same settings")
     p.add_argument("--target", default=None)

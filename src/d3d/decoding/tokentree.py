@@ -165,7 +165,7 @@ def tree_positions(depths: list[int], cache_len: int, device=None) -> torch.Tens
 def tree_logits(model, tree: TokenTree) -> torch.Tensor:
     """Feed the tree after the target's cache; returns its logits [T, V]. The cache then holds the
     tree's K/V in slots cache_len .. cache_len + T - 1, in tree order (see compact_cache)."""
-    device = model.output.weight.device
+    device = model.norm.weight.device
     L = model.cache_len
     feed = torch.tensor([tree.tokens], device=device)
     if len(tree) == 1:  # the root alone (no candidate this round): a plain step, the same row as under its mask
@@ -178,7 +178,7 @@ def compact_cache(model, base: int, path: list[int]) -> None:
     base + 1 .. base + len(path), then set the cache length. `path` holds increasing tree indices, so no
     row is overwritten before it is read."""
     if path:
-        device = model.output.weight.device
+        device = model.norm.weight.device
         src = torch.tensor(path, device=device) + base
         dst = torch.arange(base + 1, base + 1 + len(path), device=device)
         if not torch.equal(src, dst):

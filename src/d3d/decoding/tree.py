@@ -50,7 +50,7 @@ def generate_tree(model, tokenizer, prompt_ids: list[int], params: SamplingParam
         raise D3DError("generate_tree needs a tree proposer")
     params = params or SamplingParams()
     validate_request(model, prompt_ids, max_new_tokens, max(max_depth + 1, proposer.budget))
-    device = model.output.weight.device
+    device = model.norm.weight.device
     gen = make_generator(params, device)
     stopper = StopChecker(tokenizer, {tokenizer.eos_token_id}, max_new_tokens, stop)
     res = TreeGenerationResult(prompt_ids=list(prompt_ids))

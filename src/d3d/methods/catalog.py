@@ -85,10 +85,12 @@ def check_quantize_drafter(mode: str | None, methods: list[str]) -> None:
 
 def check_quantize(mode: str | None, methods: list[str]) -> None:
     """A one-line error for a target quantization that a method in `methods` would ignore: those that run
-    the target on their own runtime (OWN_RUNTIME), not on d3d's model that --quantize converts."""
+    the target on their own runtime (OWN_RUNTIME), not on d3d's model that --quantize converts. One pairing
+    is the point of a comparison: llama-cpp-source beside --quantize int4 runs the very 4-bit file that int4
+    loaded (d3d.runtime.gguf_load)."""
     if mode is None:
         return
     for m in methods:
-        if m in OWN_RUNTIME:
+        if m in OWN_RUNTIME and not (m == "llama-cpp-source" and mode == "int4"):
             runs, instead = OWN_RUNTIME[m]
             raise D3DError(f"{m} runs {runs}; --quantize does not apply: {instead}")

@@ -45,7 +45,7 @@ class BatchedTarget:
     def __init__(self, model, slots: int, max_len: int | None = None):
         if slots < 1:
             raise D3DError(f"a batch needs at least one slot (got {slots})")
-        a, p = model.args, model.output.weight
+        a, p = model.args, model.norm.weight
         self.model, self.slots, self.max_len = model, slots, max_len or a.max_seq_len
         self.kv = torch.zeros((2, len(model.layers), slots, a.n_kv_heads, self.max_len, a.head_dim),
                               dtype=p.dtype, device=p.device)

@@ -4,6 +4,9 @@
   input row on its own (symmetric int8 of x * smooth) and multiplies it with per-row int8 weights packed
   [N/16, K/4, 16, 4] (AVX512-VNNI `vpdpbusd`: 16 outputs per instruction; AVX2 `vpmaddubsw`; NEON `sdot`;
   or plain loops): the integer sums are exact, so every path gives the same numbers.
+- torch.ops.d3d.q4_linear(x, q, scales, factors, shape, bias) (`--quantize int4`): 4-bit weights (or 8-bit
+  in two planes of nibbles) with GGUF Q4_K's scales, per 32 (6-bit sc, m) and per 256 (fp32 d, dmin), and
+  activations quantized per 256 (csrc/q4_kernel.h); integer sums per super-block, so every path agrees.
 - torch.ops.d3d.fp32_linear(x, packed, bias): fp32 products, each sum over k in order by fused
   multiply-adds, on weights packed [N/64, K, 64] (pack_fp32).
 - torch.ops.d3d.layer(x, params, k_cache, v_cache, inv_freq, positions, mask, start, n_heads, eps): a
@@ -32,7 +35,7 @@ import torch
 from ..errors import D3DError
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "int8_linear.cpp", CSRC / "fp32_linear.cpp", CSRC / "layer.cpp"]
+SOURCES = [CSRC / "int8_linear.cpp", CSRC / "q4_linear.cpp", CSRC / "fp32_linear.cpp", CSRC / "layer.cpp"]
 HEADERS = sorted(CSRC.glob("*.h"))
 LANES = 16  # outputs per packed int8 block (one 512-bit register of int32 sums)
 FP32_GROUP = 64  # outputs per packed fp32 group (four 512-bit registers)
@@ -113,6 +116,10 @@ def load_kernels() -> None:
     def _(x, w, w_sum, w_scale, smooth, bias):
         return x.new_empty((*x.shape[:-1], w_scale.shape[0]))
 
+    @torch.library.register_fake("d3d::q4_linear")
+    def _(x, q, scales, factors, shape, bias):
+        return x.new_empty((*x.shape[:-1], int(shape[0])))
+
 
 @lru_cache(maxsize=None)
 def kernels_available() -> bool:
@@ -149,7 +156,8 @@ def runtime_info(quantized: bool = False) -> dict:
     if not quantized:
         return {"cpu": cpu_model(), "kernels": kernel_path()}
     built = built_path()
-    return {"cpu": cpu_model(), "kernels": built or "none", "int8_kernels": torch.ops.d3d.int8_path() if built else "none"}
+    return {"cpu": cpu_model(), "kernels": built or "none", "int8_kernels": torch.ops.d3d.int8_path() if built else "none",
+            "int4_kernels": torch.ops.d3d.q4_path() if built else "none"}
 
 
 def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -165,6 +173,80 @@ def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return packed, q.sum(dim=1, dtype=torch.int32), scale.float()
 
 
+Q4_SUPER, Q4_GROUP = 256, 32  # csrc/q4_kernel.h: super-blocks of 256 along k, groups of 32 with 6-bit sc and m
+
+
+def pack_q4_parts(q: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor,
+                  bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Weights w[n, k] = d[n, k // 256] * sc[n, k // 32] * q[n, k] - dmin[n, k // 256] * m[n, k // 32] in
+    q4_linear's layout (csrc/q4_kernel.h): (q planes u8 [N/16, SB, planes * 2048], sc and m u8 [N/16, SB, 2, 8, 16],
+    d and dmin fp32 [N/16, SB, 2, 16], shape int64 [N, K]). q [N, K] holds 0..15 (bits 4) or 0..255 (bits 8),
+    k padded with zeros to whole super-blocks and n to whole blocks of 16."""
+    N, K = q.shape
+    SB = -(-K // Q4_SUPER)
+    Np, Kp = -(-N // LANES) * LANES, SB * Q4_SUPER
+
+    def pad(t: torch.Tensor, cols: int) -> torch.Tensor:
+        out = torch.zeros(Np, cols, dtype=t.dtype)
+        out[:N, :t.shape[1]] = t
+        return out
+
+    q = pad(q.to(torch.uint8), Kp)
+    planes = [q] if bits == 4 else [q >> 4, q & 15]
+    nibbles = []
+    for plane in planes:  # (nb, l, sb, pair, half, j) -> (nb, sb, pair, l, j): low nibble step 2p, high 2p + 1
+        v = plane.view(Np // LANES, LANES, SB, 32, 2, 4).permute(0, 2, 3, 4, 1, 5)
+        nibbles.append((v[:, :, :, 0] | (v[:, :, :, 1] << 4)).reshape(Np // LANES, SB, 8, 1, 256))
+    groups = [pad(t.to(torch.uint8), SB * 8).view(Np // LANES, LANES, SB, 8).permute(0, 2, 3, 1) for t in (sc, m)]
+    factors = [pad(t.float(), SB).view(Np // LANES, LANES, SB).permute(0, 2, 1) for t in (d, dmin)]
+    return (torch.cat(nibbles, 3).reshape(Np // LANES, SB, -1).contiguous(), torch.stack(groups, 2).contiguous(),
+            torch.stack(factors, 2).contiguous(), torch.tensor([N, K], dtype=torch.int64))
+
+
+def q4_parts(weight: torch.Tensor, bits: int = 4) -> tuple[torch.Tensor, ...]:
+    """An fp32 weight [N, K] quantized as pack_q4_parts takes it: (q [N, K], sc and m [N, SB * 8], d and dmin
+    [N, SB]). Per group of 32, asymmetric `bits`-bit values between min(w, 0) and max(w, 0); the group's step
+    and offset as 6-bit multiples of per-super-block factors (as GGUF Q4_K), the step rounded up so that no
+    weight is clipped."""
+    N, K = weight.shape
+    SB = -(-K // Q4_SUPER)
+    w = torch.zeros(N, SB * Q4_SUPER)
+    w[:, :K] = weight.float()
+    g = w.view(N, SB, 8, Q4_GROUP)
+    lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+    qmax = (1 << bits) - 1
+    scale, offset = (hi - lo) / qmax, -lo
+    d = scale.amax(-1, keepdim=True) / 63
+    dmin = offset.amax(-1, keepdim=True) / 63
+    sc = torch.where(d > 0, torch.ceil(scale / d.clamp_min(1e-30) - 1e-4), 0).clamp(0, 63)
+    m = torch.where(dmin > 0, torch.round(offset / dmin.clamp_min(1e-30)), 0).clamp(0, 63)
+    step, base = d * sc, dmin * m
+    q = torch.where(step[..., None] > 0, torch.round((g + base[..., None]) / step.clamp_min(1e-30)[..., None]), 0)
+    q = q.clamp(0, qmax).to(torch.uint8).reshape(N, -1)[:, :K]
+    return q, sc.to(torch.uint8).reshape(N, -1), m.to(torch.uint8).reshape(N, -1), d[..., 0], dmin[..., 0]
+
+
+def quantize_q4(weight: torch.Tensor, bits: int = 4) -> tuple[torch.Tensor, ...]:
+    """An fp32 weight [N, K] quantized and packed for q4_linear (q4_parts, pack_q4_parts)."""
+    return pack_q4_parts(*q4_parts(weight, bits), bits)
+
+
+def dequantize_q4(q: torch.Tensor, scales: torch.Tensor, factors: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight [N, K] that q4_linear's packed tensors stand for (for tests and quality checks)."""
+    N, K = (int(v) for v in shape)
+    NB, SB, width = q.shape
+    planes = width // (Q4_SUPER * LANES // 2)
+    v = q.view(NB, SB, 8, planes, 4, LANES, 4)
+    nib = torch.stack([v & 15, v >> 4], 5)  # (nb, sb, group, plane, pair, half, l, j)
+    vals = nib[:, :, :, 0].int() if planes == 1 else nib[:, :, :, 0].int() * 16 + nib[:, :, :, 1].int()
+    vals = vals.reshape(NB, SB, 32, 2, LANES, 4)
+    vals = vals.permute(0, 4, 1, 2, 3, 5).reshape(NB * LANES, SB, 8, Q4_GROUP).float()
+    sc, m = (scales[:, :, i].permute(0, 3, 1, 2).reshape(NB * LANES, SB, 8).float() for i in (0, 1))
+    d, dmin = (factors[:, :, i].permute(0, 2, 1).reshape(NB * LANES, SB, 1) for i in (0, 1))
+    w = (d * sc)[..., None] * vals - (dmin * m)[..., None]
+    return w.reshape(NB * LANES, -1)[:N, :K]
+
+
 def pack_fp32(weight: torch.Tensor) -> torch.Tensor | None:
     """An fp32 weight [N, K] packed [N/64, K, 64] for fp32_linear (None where N is not a multiple of 64)."""
     N, K = weight.shape
@@ -175,7 +257,8 @@ def pack_fp32(weight: torch.Tensor) -> torch.Tensor | None:
 
 def layer_params(block: torch.nn.Module) -> list[torch.Tensor] | None:
     """The tensors of one d3d.runtime.layers.Block in torch.ops.d3d.layer's order (csrc/layer.cpp): its norms, then
-    five slots per linear layer (int8: packed, w_sum, w_scale, smooth, bias; fp32: packed, -, -, -, bias);
+    five slots per linear layer (int8: packed, w_sum, w_scale, smooth, bias; int4: q, scales, factors, shape,
+    bias; fp32: packed, -, -, -, bias);
     an empty tensor stands for an absent one. None where an fp32 weight cannot be packed."""
     none = torch.empty(0)
     att = block.attention
@@ -184,6 +267,8 @@ def layer_params(block: torch.nn.Module) -> list[torch.Tensor] | None:
     for lin in (att.wqkv, att.wo, block.feed_forward.w13, block.feed_forward.w2):
         if hasattr(lin, "packed"):  # d3d.runtime.quantize.Int8Linear
             params += [lin.packed, lin.w_sum, lin.w_scale] + [none if t is None else t for t in (lin.smooth, lin.bias)]
+        elif hasattr(lin, "q4"):  # d3d.runtime.quantize.Int4Linear
+            params += [lin.q4, lin.scales, lin.factors, lin.shape, none if lin.bias is None else lin.bias]
         else:
             packed = pack_fp32(lin.weight)
             if packed is None:

@@ -54,12 +54,22 @@ def load_runtime(model_dir: Path, device: str = "cpu", max_seq_len: int | None =
 def load_target(target: str | None = None, device: str = "cpu", max_seq_len: int | None = None,
                 quantize: str | None = None, compile: bool = False):
     """(runtime, tokenizer, model_dir) for `--target` (None = the embedded default); `quantize`: None
-    (fp32) or "int8" (see d3d.runtime.quantize; drafters loaded for this target follow it); `compile`: compile
+    (fp32), "int8" or "int4" (see d3d.runtime.quantize; drafters loaded for this target follow it; int4 loads a
+    GGUF target straight from its file, d3d.runtime.gguf_load); `compile`: compile
     its forward passes over one sequence (compile_decode; fp32 CPU only)."""
+    from .gguf_load import gguf_model_folder, load_gguf_int4, target_gguf
     from .quantize import apply_quantize
 
     if compile and (quantize is not None or device != "cpu"):
         raise D3DError("--compile supports the fp32 CPU runtime only (drop --quantize / --device)")
+    if quantize is not None and device != "cpu":
+        raise D3DError(f"--quantize {quantize} runs on the CPU; use --device cpu")
+    if quantize == "int4" and (gguf := target_gguf(target)) is not None:
+        model_dir = gguf_model_folder(*gguf)
+        if read_hf_config(model_dir).get("model_type") not in LLAMA_FAMILY:
+            raise D3DError(f"--quantize needs the native runtime; model type "
+                           f"{read_hf_config(model_dir).get('model_type')!r} has none")
+        return load_gguf_int4(gguf[0], model_dir, max_seq_len), load_tokenizer(model_dir), model_dir
     model_dir = resolve_target(target)
     cfg = read_hf_config(model_dir)
     if quantize is not None and cfg.get("model_type") not in LLAMA_FAMILY:

@@ -1,4 +1,5 @@
-"""`--quantize int8`: int8 weights for the target and its drafter on the CPU, like llama.cpp's Q8_0.
+"""`--quantize int8` / `int4`: 8- or 4-bit weights for the target and its drafter on the CPU, like llama.cpp's
+Q8_0 and Q4_K (int4: Int4Linear and csrc/q4_kernel.h, which say how; the rest of this doc is int8's).
 
 Each linear layer's weight is quantized per output row (symmetric, scale = max|w| / 127) and each
 input row per token (symmetric int8 with its own scale), and d3d's own kernel (d3d.runtime.kernels) sums
@@ -27,9 +28,9 @@ import torch
 import torch.nn as nn
 
 from ..errors import D3DError
-from .kernels import load_kernels, pack_int8
+from .kernels import load_kernels, pack_int8, quantize_q4
 
-QUANTIZE_MODES = ("int8",)
+QUANTIZE_MODES = ("int8", "int4")
 SMOOTH_ALPHA = 0.7
 CALIBRATION_TEXT = (
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -64,6 +65,32 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.d3d.int8_linear(x, self.packed, self.w_sum, self.w_scale, self.smooth, self.bias)
+
+
+class Int4Linear(nn.Module):
+    """nn.Linear replacement for `--quantize int4`: weights in GGUF Q4_K's layout (csrc/q4_kernel.h), 4 bits
+    (or 8, `bits`, for tensors that need them: the LM head, a GGUF's Q6_K / Q8_0 tensors), activations
+    quantized per 256 inputs by torch.ops.d3d.q4_linear. Built from an fp32 nn.Linear (quantize_q4) or from
+    packed parts (d3d.runtime.gguf_load.Int4Linear from a GGUF file, tensor by tensor)."""
+
+    def __init__(self, parts: tuple[torch.Tensor, ...], bias: torch.Tensor | None = None,
+                 weight: torch.Tensor | None = None):
+        super().__init__()
+        load_kernels()
+        q4, scales, factors, shape = parts
+        for name, t in (("q4", q4), ("scales", scales), ("factors", factors), ("shape", shape), ("bias", bias)):
+            self.register_buffer(name, t, persistent=False)
+        self.out_features, self.in_features = (int(v) for v in shape)
+        self.bits = 4 if q4.shape[-1] == 2048 else 8
+        self.weight = weight
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, bits: int = 4, keep_weight: bool = False) -> "Int4Linear":
+        bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+        return cls(quantize_q4(linear.weight.detach(), bits), bias, linear.weight if keep_weight else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.d3d.q4_linear(x, self.q4, self.scales, self.factors, self.shape, self.bias)
 
 
 @torch.no_grad()
@@ -105,10 +132,34 @@ def quantize_int8(model: nn.Module, tokenizer, batch_invariant: bool = True) -> 
     return model
 
 
+HEAD_BITS = 8  # the LM head in 8 bits, as GGUF Q4_K_M files keep it in Q6_K: its errors reach every logit
+
+
+def quantize_int4(model: nn.Module, batch_invariant: bool = True) -> nn.Module:
+    """Replace every nn.Linear of `model` (CPU only) by an Int4Linear, in place (4 bits; the LM head
+    HEAD_BITS); returns `model`. batch_invariant as in quantize_int8. Already quantized: unchanged."""
+    if getattr(model, "quantized", None) == "int4":
+        return model
+    if next(model.parameters()).device.type != "cpu":
+        raise D3DError("--quantize int4 runs on the CPU; use --device cpu")
+    for name, module in list(model.named_modules()):
+        for child, layer in list(module.named_children()):
+            if isinstance(layer, nn.Linear):
+                full = f"{name}.{child}" if name else child
+                bits = HEAD_BITS if full == "output" else 4
+                setattr(module, child, Int4Linear.from_linear(layer, bits, keep_weight=full in KEEP_WEIGHT))
+    if batch_invariant and hasattr(model, "pack_cpu_layers"):
+        model.pack_cpu_layers()
+    model.quantized = "int4"
+    return model
+
+
 def apply_quantize(model: nn.Module, mode: str | None, tokenizer, batch_invariant: bool = True) -> nn.Module:
     """`model` quantized as `mode` (None: unchanged); batch_invariant as in quantize_int8."""
     if mode is None:
         return model
     if mode not in QUANTIZE_MODES:
         raise D3DError(f"unknown --quantize mode {mode!r}; choose from {', '.join(QUANTIZE_MODES)}")
+    if mode == "int4":
+        return quantize_int4(model, batch_invariant)
     return quantize_int8(model, tokenizer, batch_invariant)

@@ -53,7 +53,7 @@ class Transformer(nn.Module):
     def setup_cache(self, max_batch: int = 1, max_len: int | None = None) -> None:
         a = self.args
         max_len = max_len or a.max_seq_len
-        p = self.output.weight
+        p = self.norm.weight
         caches = [layer.attention.k_cache for layer in self.layers]
         # every layer is checked: a layer that was bypassed (d3d.training.prune) may hold an older, smaller cache
         if caches and all(c is not None and c.device == p.device and c.shape[0] >= max_batch

@@ -11,6 +11,11 @@ namespace d3d {
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_sum, const at::Tensor& w_scale,
                        const std::optional<at::Tensor>& smooth, const std::optional<at::Tensor>& bias);
 
+// y = x @ w.T (+ bias) with 4- or 8-bit weights in Q4_K's scales, activations per 256 (q4_linear.cpp);
+// shape: int64 [N, K].
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& factors,
+                     const at::Tensor& shape, const std::optional<at::Tensor>& bias);
+
 // y = x @ w.T (+ bias) in fp32, w packed [N/64, K, 64] (fp32_linear.cpp).
 at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
 

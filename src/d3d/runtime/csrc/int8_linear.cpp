@@ -2,6 +2,7 @@
 // schema of all of d3d's operators.
 #include "d3d.h"
 #include "int8_kernel.h"
+#include "q4_kernel.h"
 
 #include <torch/library.h>
 #include <ATen/Parallel.h>
@@ -39,6 +40,7 @@ at::Tensor d3d::int8_linear(const at::Tensor& x_, const at::Tensor& w, const at:
 
 TORCH_LIBRARY(d3d, m) {
   m.def("int8_linear(Tensor x, Tensor w, Tensor w_sum, Tensor w_scale, Tensor? smooth, Tensor? bias) -> Tensor");
+  m.def("q4_linear(Tensor x, Tensor q, Tensor scales, Tensor factors, Tensor shape, Tensor? bias) -> Tensor");
   m.def("fp32_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("layer(Tensor x, Tensor[] params, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor inv_freq, "
         "Tensor positions, Tensor? mask, int start, int n_heads, float eps) -> Tensor");
@@ -48,6 +50,7 @@ TORCH_LIBRARY(d3d, m) {
         "Tensor positions, Tensor[] masks, int[] slots, int[] starts, int[] lengths, int n_heads, float eps) -> Tensor");
   m.def("kernel_path() -> str", [] { return std::string(d3d::kernel_path()); });
   m.def("int8_path() -> str", [] { return std::string(d3d::int8::int8_path()); });
+  m.def("q4_path() -> str", [] { return std::string(d3d::q4::q4_path()); });
 }
 
 TORCH_LIBRARY_IMPL(d3d, CPU, m) { m.impl("int8_linear", &d3d::int8_linear); }

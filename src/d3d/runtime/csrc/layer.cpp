@@ -3,12 +3,12 @@
 // attention, SiLU, residuals) is computed row by row here, with sums in a fixed order, and the products
 // are int8_linear's or fp32_linear's, whose rows are independent too. So a row's output is bitwise the same
 // whether it is a one-token decoding step or one row of a 16-token verification or a token tree: the
-// property that keeps speculative decoding exactly lossless, in fp32 and int8. One call per layer (or one
+// property that keeps speculative decoding exactly lossless, in fp32, int8 and int4. One call per layer (or one
 // d3d::layers call for all of them) also replaces the ~25 small torch ops a layer costs in Python.
 //
 // params (d3d.kernels.layer_params): attention_norm, ffn_norm, q_norm, k_norm (empty: none), then for
-// wqkv, wo, w13, w2 in turn five slots: int8 (packed, w_sum, w_scale, smooth, bias) or fp32 (packed,
-// -, -, -, bias); empty: none.
+// wqkv, wo, w13, w2 in turn five slots: int8 (packed, w_sum, w_scale, smooth, bias), int4 (q, scales,
+// factors, shape, bias) or fp32 (packed, -, -, -, bias); empty: none.
 #include "d3d.h"
 #include "layer_kernel.h"
 
@@ -28,6 +28,7 @@ std::optional<at::Tensor> given(const at::Tensor& t) {
 at::Tensor linear(const at::Tensor& x, at::TensorList p, int64_t i) {
   const int64_t b = 4 + 5 * i;
   if (p[b].scalar_type() == at::kFloat) return d3d::fp32_linear(x, p[b], given(p[b + 4]));
+  if (p[b].scalar_type() == at::kByte) return d3d::q4_linear(x, p[b], p[b + 1], p[b + 2], p[b + 3], given(p[b + 4]));
   return d3d::int8_linear(x, p[b], p[b + 1], p[b + 2], given(p[b + 3]), given(p[b + 4]));
 }
 

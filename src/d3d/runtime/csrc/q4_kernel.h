@@ -1,0 +1,223 @@
+// d3d::q4_linear (`--quantize int4`): y = x @ w.T with 4-bit (or 8-bit) weights in GGUF Q4_K's layout of
+// scales, and activations quantized in blocks of 256 as llama.cpp's Q8_K does.
+//
+// Weights. Along k, each output row is cut into super-blocks of 256 (zero-padded), each into 8 groups of 32;
+// a weight is w = d * sc * q - dmin * m, with q in 0..15 (one plane of nibbles) or 0..255 (two planes: high
+// and low nibbles), sc and m in 0..63 per group, d and dmin fp32 per super-block. That is exactly Q4_K
+// (whose tensors load bit for bit, d3d.runtime.gguf_load), and 8 bits over the same scales hold Q5_0 / Q6_K /
+// Q8_0 tensors closely. Packed per 16 outputs and super-block (pack_q4): per group, per plane, the nibbles of
+// steps 2p (low) and 2p + 1 (high) of 4 k each, [4 pairs][16 outputs][4 k] bytes; sc [8][16] and m [8][16] (u8)
+// in a tensor of their own, d [16] and dmin [16] (fp32) in a third.
+//
+// Activations. Each row is quantized per super-block (int8::quantize_row on its 256 values: symmetric int8
+// with one scale), and each group's sum of q is kept for the m term.
+//
+// Sums. Per group, isum = sum q_x * q_w in integers (exact in any order); per super-block A = sum_g sc * isum
+// and B = sum_g m * sum(q_x) (integers, no overflow: |A| < 8 * 63 * 32 * 255 * 127); then, in this order on
+// every path, acc += x_scale * (d * float(A) - dmin * float(B)). A row's result depends on its own row only
+// and is the same bits on every path (built with -ffp-contract=off).
+#pragma once
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "int8_kernel.h"
+
+#if defined(D3D_SCALAR)
+#elif defined(__AVX2__)
+#define D3D_Q4_PATH 2  // vpmaddubsw: u8 nibbles x s8 activations, pairs summed in int16 over a group, then int32
+#elif defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+#define D3D_Q4_PATH 3  // sdot: nibbles x s8 activations summed in fours, 4 outputs per op
+#endif
+
+namespace d3d::q4 {
+
+constexpr int64_t LANES = 16, SUPER = 256, GROUP = 32, GROUPS = SUPER / GROUP;
+constexpr int64_t PLANE = SUPER * LANES / 2;          // nibble bytes of one plane per 16 outputs and super-block
+constexpr int64_t SCALES = 2 * GROUPS * LANES;        // sc and m bytes per 16 outputs and super-block
+constexpr int64_t FACTORS = 2 * LANES;                // d and dmin per 16 outputs and super-block
+constexpr int64_t MBLOCK = 4;
+
+inline const char* q4_path() {
+#if D3D_Q4_PATH == 2
+  return "avx2";
+#elif D3D_Q4_PATH == 3
+  return "neon-dotprod";
+#else
+  return "scalar";
+#endif
+}
+
+// Row `row` [K] quantized per super-block into q [SB * 256] (s8, padding 0), scales xs [SB] and group sums
+// xsum [SB * 8].
+inline void quantize_row(const float* row, int64_t K, int8_t* q, float* xs, int32_t* xsum) {
+  const int64_t SB = (K + SUPER - 1) / SUPER;
+  uint8_t u[SUPER];
+  for (int64_t sb = 0; sb < SB; ++sb) {
+    const int64_t len = std::min(SUPER, K - sb * SUPER);
+    xs[sb] = int8::quantize_row(row + sb * SUPER, nullptr, len, SUPER, u);
+    for (int64_t g = 0; g < GROUPS; ++g) {
+      int32_t s = 0;
+      for (int64_t k = g * GROUP; k < (g + 1) * GROUP; ++k) {
+        q[sb * SUPER + k] = int8_t(int32_t(u[k]) - 128);
+        s += q[sb * SUPER + k];
+      }
+      xsum[sb * GROUPS + g] = s;
+    }
+  }
+}
+
+// A[i][l] += mult * sc[l] * (sum over the group's 32 k of x[i * stride + k] * nibble(output l, k)), for rows
+// i < mb; w: the group's 4 pairs of steps in one plane (256 bytes); sc: the group's 16 scales.
+template <int64_t mb>
+inline void group_add(const int8_t* x, int64_t stride, const uint8_t* w, const uint8_t* sc, int32_t mult,
+                      int32_t A[mb][LANES]) {
+#if D3D_Q4_PATH == 2
+  // int16 sums stay exact: 8 steps of two products of at most 15 * 127 each, 30480 in all; vpmaddwd then
+  // multiplies each output's two int16 sums by its scale and adds them in int32
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  __m256i acc[mb][2];
+  for (int64_t i = 0; i < mb; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+  for (int64_t p = 0; p < 4; ++p) {
+    const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 64));
+    const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 64 + 32));
+    const __m256i e0 = _mm256_and_si256(r0, low), e1 = _mm256_and_si256(r1, low);  // step 2p: outputs 0-7, 8-15
+    const __m256i o0 = _mm256_and_si256(_mm256_srli_epi16(r0, 4), low);           // step 2p + 1
+    const __m256i o1 = _mm256_and_si256(_mm256_srli_epi16(r1, 4), low);
+    for (int64_t i = 0; i < mb; ++i) {
+      const __m256i a = _mm256_set1_epi32(int8::quad(x + i * stride + p * 8));
+      const __m256i b = _mm256_set1_epi32(int8::quad(x + i * stride + p * 8 + 4));
+      acc[i][0] = _mm256_add_epi16(acc[i][0], _mm256_add_epi16(_mm256_maddubs_epi16(e0, a), _mm256_maddubs_epi16(o0, b)));
+      acc[i][1] = _mm256_add_epi16(acc[i][1], _mm256_add_epi16(_mm256_maddubs_epi16(e1, a), _mm256_maddubs_epi16(o1, b)));
+    }
+  }
+  const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));  // each scale twice, as int16
+  const __m256i m16 = _mm256_set1_epi16(int16_t(mult));
+  const __m256i s0 = _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(s8, s8)), m16);
+  const __m256i s1 = _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm_unpackhi_epi8(s8, s8)), m16);
+  for (int64_t i = 0; i < mb; ++i) {
+    __m256i* a = reinterpret_cast<__m256i*>(A[i]);
+    _mm256_storeu_si256(a, _mm256_add_epi32(_mm256_loadu_si256(a), _mm256_madd_epi16(acc[i][0], s0)));
+    _mm256_storeu_si256(a + 1, _mm256_add_epi32(_mm256_loadu_si256(a + 1), _mm256_madd_epi16(acc[i][1], s1)));
+  }
+#elif D3D_Q4_PATH == 3
+  const uint8x16_t low = vdupq_n_u8(0x0F);
+  int32x4_t acc[mb][4];
+  for (int64_t i = 0; i < mb; ++i)
+    for (int64_t j = 0; j < 4; ++j) acc[i][j] = vdupq_n_s32(0);
+  for (int64_t p = 0; p < 4; ++p) {
+    int8x16_t e[4], o[4];
+    for (int64_t j = 0; j < 4; ++j) {
+      const uint8x16_t r = vld1q_u8(w + p * 64 + j * 16);
+      e[j] = vreinterpretq_s8_u8(vandq_u8(r, low));
+      o[j] = vreinterpretq_s8_u8(vshrq_n_u8(r, 4));
+    }
+    for (int64_t i = 0; i < mb; ++i) {
+      const int8x16_t a = vreinterpretq_s8_s32(vdupq_n_s32(int8::quad(x + i * stride + p * 8)));
+      const int8x16_t b = vreinterpretq_s8_s32(vdupq_n_s32(int8::quad(x + i * stride + p * 8 + 4)));
+      for (int64_t j = 0; j < 4; ++j) acc[i][j] = vdotq_s32(vdotq_s32(acc[i][j], e[j], a), o[j], b);
+    }
+  }
+  const uint8x16_t s8 = vld1q_u8(sc);
+  const uint16x8_t s16[2] = {vmovl_u8(vget_low_u8(s8)), vmovl_u8(vget_high_u8(s8))};
+  for (int64_t j = 0; j < 4; ++j) {
+    const int32x4_t s = vmulq_n_s32(vreinterpretq_s32_u32(j % 2 ? vmovl_high_u16(s16[j / 2]) : vmovl_u16(vget_low_u16(s16[j / 2]))), mult);
+    for (int64_t i = 0; i < mb; ++i) vst1q_s32(A[i] + j * 4, vmlaq_s32(vld1q_s32(A[i] + j * 4), acc[i][j], s));
+  }
+#else
+  for (int64_t i = 0; i < mb; ++i)
+    for (int64_t l = 0; l < LANES; ++l) {
+      int32_t s = 0;
+      for (int64_t p = 0; p < 4; ++p)
+        for (int64_t j = 0; j < 4; ++j) {
+          const uint8_t byte = w[p * 64 + l * 4 + j];
+          s += int32_t(x[i * stride + p * 8 + j]) * (byte & 0x0F) + int32_t(x[i * stride + p * 8 + 4 + j]) * (byte >> 4);
+        }
+      A[i][l] += mult * int32_t(sc[l]) * s;
+    }
+#endif
+}
+
+// One row's super-block done: B[l] = sum_g m[g][l] * gs[g] and acc[l] += s * (d[l] * float(A[l]) - dmin[l] * float(B[l])).
+inline void super_block_end(const int32_t* gs, float s, const uint8_t* m, const float* d, const float* dmin,
+                            const int32_t* A, float* acc) {
+#if D3D_Q4_PATH == 2
+  __m256i B[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+  for (int64_t g = 0; g < GROUPS; g += 2) {  // vpmaddwd over two groups: m[g][l] * gs[g] + m[g + 1][l] * gs[g + 1]
+    const __m128i mg = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m + g * LANES));
+    const __m128i mh = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m + (g + 1) * LANES));
+    const __m256i pair = _mm256_set1_epi32(int32_t(uint32_t(uint16_t(gs[g])) | (uint32_t(uint16_t(gs[g + 1])) << 16)));
+    B[0] = _mm256_add_epi32(B[0], _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mg, mh)), pair));
+    B[1] = _mm256_add_epi32(B[1], _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_unpackhi_epi8(mg, mh)), pair));
+  }
+  const __m256 sv = _mm256_set1_ps(s);
+  for (int64_t h = 0; h < 2; ++h) {
+    const __m256 a = _mm256_mul_ps(_mm256_loadu_ps(d + 8 * h),
+                                   _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(A + 8 * h))));
+    const __m256 b = _mm256_mul_ps(_mm256_loadu_ps(dmin + 8 * h), _mm256_cvtepi32_ps(B[h]));
+    _mm256_storeu_ps(acc + 8 * h, _mm256_add_ps(_mm256_loadu_ps(acc + 8 * h), _mm256_mul_ps(sv, _mm256_sub_ps(a, b))));
+  }
+#else
+  int32_t B[LANES] = {};
+  for (int64_t g = 0; g < GROUPS; ++g)
+    for (int64_t l = 0; l < LANES; ++l) B[l] += int32_t(m[g * LANES + l]) * gs[g];
+  for (int64_t l = 0; l < LANES; ++l) {
+    const float t = d[l] * float(A[l]) - dmin[l] * float(B[l]);
+    acc[l] = acc[l] + s * t;
+  }
+#endif
+}
+
+// Outputs n0 = 16 * nb .. n0 + 15 (those below N) of rows m0 .. m0 + mb - 1 (see the top of this file).
+template <int64_t planes, int64_t mb>
+inline void block_out(const int8_t* xq, int64_t SB, const float* xs, const int32_t* xsum,
+                      const uint8_t* wq, const uint8_t* wsm, const float* wdd, int64_t nb, int64_t N, int64_t m0,
+                      const float* bias, float* y) {
+  const int64_t n0 = nb * LANES, nl = std::min(LANES, N - n0), Kp = SB * SUPER;
+  float acc[mb][LANES] = {};
+  for (int64_t sb = 0; sb < SB; ++sb) {
+    const uint8_t* q = wq + (nb * SB + sb) * planes * PLANE;
+    const uint8_t* sc = wsm + (nb * SB + sb) * SCALES;
+    const uint8_t* m = sc + GROUPS * LANES;
+    const float* d = wdd + (nb * SB + sb) * FACTORS;
+    const float* dmin = d + LANES;
+    alignas(32) int32_t A[mb][LANES] = {};
+    for (int64_t g = 0; g < GROUPS; ++g) {
+      const int8_t* x = xq + m0 * Kp + sb * SUPER + g * GROUP;
+      if constexpr (planes == 1) {
+        group_add<mb>(x, Kp, q + g * 256, sc + g * LANES, 1, A);
+      } else {  // q = 16 * high nibble + low nibble
+        group_add<mb>(x, Kp, q + g * 512, sc + g * LANES, 16, A);
+        group_add<mb>(x, Kp, q + g * 512 + 256, sc + g * LANES, 1, A);
+      }
+    }
+    for (int64_t i = 0; i < mb; ++i)
+      super_block_end(xsum + (m0 + i) * SB * GROUPS + sb * GROUPS, xs[(m0 + i) * SB + sb], m, d, dmin, A[i], acc[i]);
+  }
+  for (int64_t i = 0; i < mb; ++i)
+    for (int64_t l = 0; l < nl; ++l) y[(m0 + i) * N + n0 + l] = bias ? acc[i][l] + bias[n0 + l] : acc[i][l];
+}
+
+template <int64_t planes, typename... Args>
+inline void rows_out(int64_t mb, Args... args) {
+  switch (mb) {
+    case 1: return block_out<planes, 1>(args...);
+    case 2: return block_out<planes, 2>(args...);
+    case 3: return block_out<planes, 3>(args...);
+    default: return block_out<planes, 4>(args...);
+  }
+}
+
+// Blocks b0 .. b1 - 1 (16 outputs each) of y [M, N] for the quantized rows: one thread's share.
+inline void blocks(int64_t planes, const int8_t* xq, int64_t M, int64_t SB, const float* xs, const int32_t* xsum,
+                   const uint8_t* wq, const uint8_t* wsm, const float* wdd, int64_t N, const float* bias, float* y,
+                   int64_t b0, int64_t b1) {
+  for (int64_t nb = b0; nb < b1; ++nb)
+    for (int64_t m0 = 0; m0 < M; m0 += MBLOCK) {
+      const int64_t mb = std::min(MBLOCK, M - m0);
+      if (planes == 2) rows_out<2>(mb, xq, SB, xs, xsum, wq, wsm, wdd, nb, N, m0, bias, y);
+      else rows_out<1>(mb, xq, SB, xs, xsum, wq, wsm, wdd, nb, N, m0, bias, y);
+    }
+}
+
+}  // namespace d3d::q4

@@ -1,0 +1,38 @@
+// d3d::q4_linear: the torch operator over q4_kernel.h (which says what it computes and why).
+#include "d3d.h"
+#include "q4_kernel.h"
+
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+
+at::Tensor d3d::q4_linear(const at::Tensor& x_, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& factors,
+                          const at::Tensor& shape, const std::optional<at::Tensor>& bias_) {
+  using namespace d3d::q4;
+  TORCH_CHECK(x_.scalar_type() == at::kFloat && q.scalar_type() == at::kByte && q.dim() == 3 && q.is_contiguous() &&
+              scales.is_contiguous() && factors.is_contiguous() && factors.scalar_type() == at::kFloat,
+              "q4_linear takes float activations and weights packed by pack_q4");
+  const int64_t N = shape.data_ptr<int64_t>()[0], K = shape.data_ptr<int64_t>()[1];
+  const int64_t NB = q.size(0), SB = q.size(1), planes = q.size(2) / PLANE;
+  TORCH_CHECK(x_.size(-1) == K && (K + SUPER - 1) / SUPER == SB && N <= NB * LANES && (planes == 1 || planes == 2) &&
+              scales.numel() == NB * SB * SCALES && factors.numel() == NB * SB * FACTORS,
+              "q4_linear: shapes do not match the packed weight");
+  at::Tensor x = x_.reshape({-1, K}).contiguous();
+  const int64_t M = x.size(0);
+  at::Tensor xq = at::empty({M, SB * SUPER}, x.options().dtype(at::kChar));
+  at::Tensor xs = at::empty({M, SB}, x.options());
+  at::Tensor xsum = at::empty({M, SB * GROUPS}, x.options().dtype(at::kInt));
+  for (int64_t m = 0; m < M; ++m)
+    quantize_row(x.data_ptr<float>() + m * K, K, xq.data_ptr<int8_t>() + m * SB * SUPER, xs.data_ptr<float>() + m * SB,
+                 xsum.data_ptr<int32_t>() + m * SB * GROUPS);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* bp = bias_.has_value() ? bias_->data_ptr<float>() : nullptr;
+  at::parallel_for(0, NB, 4, [&](int64_t b0, int64_t b1) {
+    blocks(planes, xq.data_ptr<int8_t>(), M, SB, xs.data_ptr<float>(), xsum.data_ptr<int32_t>(), q.data_ptr<uint8_t>(),
+           scales.data_ptr<uint8_t>(), factors.data_ptr<float>(), N, bp, y.data_ptr<float>(), b0, b1);
+  });
+  auto out = x_.sizes().vec();
+  out.back() = N;
+  return y.view(out);
+}
+
+TORCH_LIBRARY_IMPL(d3d, CPU, m) { m.impl("q4_linear", &d3d::q4_linear); }
