@@ -91,7 +91,7 @@ void q4_products() {
   for (int64_t planes : {1, 2}) {
     std::vector<uint8_t> wq(NB * SB * planes * q4::PLANE), wsm(NB * SB * q4::SCALES);
     std::vector<float> wdd(NB * SB * q4::FACTORS);
-    for (uint8_t& b : wq) b = uint8_t(int(next(128.f)) + 128);
+    for (uint8_t& b : wq) b = planes == 1 ? uint8_t(int(next(128.f)) + 128) : uint8_t(int(next(127.f)) + 127);  // 8 bits: q <= 254
     for (uint8_t& b : wsm) b = uint8_t(int(next(32.f)) + 32);
     for (float& f : wdd) f = next(0.01f) + 0.011f;
     for (int64_t M : {1, 3, 4, 9}) {

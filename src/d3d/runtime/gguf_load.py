@@ -139,7 +139,7 @@ def _join(parts: list[tuple]) -> tuple:
     joined = []
     for q, sc, m, d, dmin, b in parts:
         if b < bits:
-            q, d = q.to(torch.uint8) * 16, d / 16
+            q, d = q.to(torch.uint8) * 16, d / 16  # 0..240
         joined.append((q.to(torch.uint8), sc, m, d, dmin))
     return (*(torch.cat(c) for c in zip(*joined)), bits)
 

@@ -180,7 +180,7 @@ def pack_q4_parts(q: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.T
                   bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Weights w[n, k] = d[n, k // 256] * sc[n, k // 32] * q[n, k] - dmin[n, k // 256] * m[n, k // 32] in
     q4_linear's layout (csrc/q4_kernel.h): (q planes u8 [N/16, SB, planes * 2048], sc and m u8 [N/16, SB, 2, 8, 16],
-    d and dmin fp32 [N/16, SB, 2, 16], shape int64 [N, K]). q [N, K] holds 0..15 (bits 4) or 0..255 (bits 8),
+    d and dmin fp32 [N/16, SB, 2, 16], shape int64 [N, K]). q [N, K] holds 0..15 (bits 4) or 0..254 (bits 8),
     k padded with zeros to whole super-blocks and n to whole blocks of 16."""
     N, K = q.shape
     SB = -(-K // Q4_SUPER)
@@ -192,14 +192,14 @@ def pack_q4_parts(q: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.T
         return out
 
     q = pad(q.to(torch.uint8), Kp)
-    planes = [q] if bits == 4 else [q >> 4, q & 15]
-    nibbles = []
-    for plane in planes:  # (nb, l, sb, pair, half, j) -> (nb, sb, pair, l, j): low nibble step 2p, high 2p + 1
-        v = plane.view(Np // LANES, LANES, SB, 32, 2, 4).permute(0, 2, 3, 4, 1, 5)
-        nibbles.append((v[:, :, :, 0] | (v[:, :, :, 1] << 4)).reshape(Np // LANES, SB, 8, 1, 256))
+    if bits == 4:  # (nb, l, sb, pair, half, j) -> (nb, sb, pair, l, j): low nibble step 2p, high 2p + 1
+        v = q.view(Np // LANES, LANES, SB, 32, 2, 4).permute(0, 2, 3, 4, 1, 5)
+        packed = v[:, :, :, 0] | (v[:, :, :, 1] << 4)
+    else:  # (nb, l, sb, step, j) -> (nb, sb, step, l, j)
+        packed = q.view(Np // LANES, LANES, SB, 64, 4).permute(0, 2, 3, 1, 4)
     groups = [pad(t.to(torch.uint8), SB * 8).view(Np // LANES, LANES, SB, 8).permute(0, 2, 3, 1) for t in (sc, m)]
     factors = [pad(t.float(), SB).view(Np // LANES, LANES, SB).permute(0, 2, 1) for t in (d, dmin)]
-    return (torch.cat(nibbles, 3).reshape(Np // LANES, SB, -1).contiguous(), torch.stack(groups, 2).contiguous(),
+    return (packed.reshape(Np // LANES, SB, -1).contiguous(), torch.stack(groups, 2).contiguous(),
             torch.stack(factors, 2).contiguous(), torch.tensor([N, K], dtype=torch.int64))
 
 
@@ -214,7 +214,7 @@ def q4_parts(weight: torch.Tensor, bits: int = 4) -> tuple[torch.Tensor, ...]:
     w[:, :K] = weight.float()
     g = w.view(N, SB, 8, Q4_GROUP)
     lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
-    qmax = (1 << bits) - 1
+    qmax = 15 if bits == 4 else 254  # 8 bits: q - 127 fits a signed byte (csrc/q4_kernel.h, group_add8)
     scale, offset = (hi - lo) / qmax, -lo
     d = scale.amax(-1, keepdim=True) / 63
     dmin = offset.amax(-1, keepdim=True) / 63
@@ -236,11 +236,12 @@ def dequantize_q4(q: torch.Tensor, scales: torch.Tensor, factors: torch.Tensor, 
     N, K = (int(v) for v in shape)
     NB, SB, width = q.shape
     planes = width // (Q4_SUPER * LANES // 2)
-    v = q.view(NB, SB, 8, planes, 4, LANES, 4)
-    nib = torch.stack([v & 15, v >> 4], 5)  # (nb, sb, group, plane, pair, half, l, j)
-    vals = nib[:, :, :, 0].int() if planes == 1 else nib[:, :, :, 0].int() * 16 + nib[:, :, :, 1].int()
-    vals = vals.reshape(NB, SB, 32, 2, LANES, 4)
-    vals = vals.permute(0, 4, 1, 2, 3, 5).reshape(NB * LANES, SB, 8, Q4_GROUP).float()
+    if planes == 1:
+        v = q.view(NB, SB, 32, LANES, 4)
+        vals = torch.stack([v & 15, v >> 4], 3).permute(0, 4, 1, 2, 3, 5)  # (nb, l, sb, pair, half, j)
+    else:
+        vals = q.view(NB, SB, 64, LANES, 4).permute(0, 3, 1, 2, 4)  # (nb, l, sb, step, j)
+    vals = vals.reshape(NB * LANES, SB, 8, Q4_GROUP).float()
     sc, m = (scales[:, :, i].permute(0, 3, 1, 2).reshape(NB * LANES, SB, 8).float() for i in (0, 1))
     d, dmin = (factors[:, :, i].permute(0, 2, 1).reshape(NB * LANES, SB, 1) for i in (0, 1))
     w = (d * sc)[..., None] * vals - (dmin * m)[..., None]

@@ -2,18 +2,18 @@
 // scales, and activations quantized in blocks of 256 as llama.cpp's Q8_K does.
 //
 // Weights. Along k, each output row is cut into super-blocks of 256 (zero-padded), each into 8 groups of 32;
-// a weight is w = d * sc * q - dmin * m, with q in 0..15 (one plane of nibbles) or 0..255 (two planes: high
-// and low nibbles), sc and m in 0..63 per group, d and dmin fp32 per super-block. That is exactly Q4_K
+// a weight is w = d * sc * q - dmin * m, with q in 0..15 (nibbles) or 0..254 (bytes; "planes" 2: twice the
+// nibbles' bytes), sc and m in 0..63 per group, d and dmin fp32 per super-block. That is exactly Q4_K
 // (whose tensors load bit for bit, d3d.runtime.gguf_load), and 8 bits over the same scales hold Q5_0 / Q6_K /
-// Q8_0 tensors closely. Packed per 16 outputs and super-block (pack_q4): per group, per plane, the nibbles of
-// steps 2p (low) and 2p + 1 (high) of 4 k each, [4 pairs][16 outputs][4 k] bytes; sc [8][16] and m [8][16] (u8)
-// in a tensor of their own, d [16] and dmin [16] (fp32) in a third.
+// Q8_0 tensors closely. Packed per 16 outputs and super-block (pack_q4): per group, 4 bits: the nibbles of steps
+// 2p (low) and 2p + 1 (high) of 4 k each, [4 pairs][16 outputs][4 k] bytes; 8 bits: [8 steps][16 outputs][4 k]
+// bytes; sc [8][16] and m [8][16] (u8) in a tensor of their own, d [16] and dmin [16] (fp32) in a third.
 //
 // Activations. Each row is quantized per super-block (int8::quantize_row on its 256 values: symmetric int8
 // with one scale), and each group's sum of q is kept for the m term.
 //
 // Sums. Per group, isum = sum q_x * q_w in integers (exact in any order); per super-block A = sum_g sc * isum
-// and B = sum_g m * sum(q_x) (integers, no overflow: |A| < 8 * 63 * 32 * 255 * 127); then, in this order on
+// and B = sum_g m * sum(q_x) (integers, no overflow: |A| < 8 * 63 * 32 * 254 * 127); then, in this order on
 // every path, acc += x_scale * (d * float(A) - dmin * float(B)). A row's result depends on its own row only
 // and is the same bits on every path (built with -ffp-contract=off).
 #pragma once
@@ -138,29 +138,98 @@ inline void group_add(const int8_t* x, int64_t stride, const uint8_t* w, const u
 #endif
 }
 
-// One row's super-block done: B[l] = sum_g m[g][l] * gs[g] and acc[l] += s * (d[l] * float(A[l]) - dmin[l] * float(B[l])).
-inline void super_block_end(const int32_t* gs, float s, const uint8_t* m, const float* d, const float* dmin,
-                            const int32_t* A, float* acc) {
+// The same for 8-bit weights: A[i][l] += sc[l] * sum over the group's 32 k of x[i * stride + k] * (q(l, k) - 127),
+// w: the group's 8 steps of 4 k, [8][16 outputs][4 k] bytes of q (0..254); the caller adds 127 * sc * sum(x).
+template <int64_t mb>
+inline void group_add8(const int8_t* x, int64_t stride, const uint8_t* w, const uint8_t* sc, int32_t A[mb][LANES]) {
+#if D3D_Q4_PATH == 2
+  // |q - 127| <= 127, so vpmaddubsw on |x| and (q - 127) * sign(x) sums two products exactly in int16 (as the
+  // int8 kernel does); vpmaddwd multiplies each output's two sums by its scale into int32 every step
+  const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
+  const __m256i s0 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(s8, s8)), s1 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(s8, s8));
+  const __m256i centre = _mm256_set1_epi8(127);
+  __m256i acc[mb][2];
+  for (int64_t i = 0; i < mb; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+  for (int64_t step = 0; step < 8; ++step) {
+    const __m256i w0 = _mm256_sub_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + step * 64)), centre);
+    const __m256i w1 = _mm256_sub_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + step * 64 + 32)), centre);
+    for (int64_t i = 0; i < mb; ++i) {
+      const __m256i a = _mm256_set1_epi32(int8::quad(x + i * stride + step * 4)), mag = _mm256_abs_epi8(a);
+      acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(w0, a)), s0));
+      acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(w1, a)), s1));
+    }
+  }
+  for (int64_t i = 0; i < mb; ++i) {
+    __m256i* out = reinterpret_cast<__m256i*>(A[i]);
+    _mm256_storeu_si256(out, _mm256_add_epi32(_mm256_loadu_si256(out), acc[i][0]));
+    _mm256_storeu_si256(out + 1, _mm256_add_epi32(_mm256_loadu_si256(out + 1), acc[i][1]));
+  }
+#elif D3D_Q4_PATH == 3
+  const int8x16_t centre = vdupq_n_s8(127);
+  int32x4_t acc[mb][4];
+  for (int64_t i = 0; i < mb; ++i)
+    for (int64_t j = 0; j < 4; ++j) acc[i][j] = vdupq_n_s32(0);
+  for (int64_t step = 0; step < 8; ++step) {
+    int8x16_t q[4];
+    for (int64_t j = 0; j < 4; ++j) q[j] = vsubq_s8(vreinterpretq_s8_u8(vld1q_u8(w + step * 64 + j * 16)), centre);
+    for (int64_t i = 0; i < mb; ++i) {
+      const int8x16_t a = vreinterpretq_s8_s32(vdupq_n_s32(int8::quad(x + i * stride + step * 4)));
+      for (int64_t j = 0; j < 4; ++j) acc[i][j] = vdotq_s32(acc[i][j], q[j], a);
+    }
+  }
+  const uint8x16_t s8 = vld1q_u8(sc);
+  const uint16x8_t s16[2] = {vmovl_u8(vget_low_u8(s8)), vmovl_u8(vget_high_u8(s8))};
+  for (int64_t j = 0; j < 4; ++j) {
+    const int32x4_t s = vreinterpretq_s32_u32(j % 2 ? vmovl_high_u16(s16[j / 2]) : vmovl_u16(vget_low_u16(s16[j / 2])));
+    for (int64_t i = 0; i < mb; ++i) vst1q_s32(A[i] + j * 4, vmlaq_s32(vld1q_s32(A[i] + j * 4), acc[i][j], s));
+  }
+#else
+  for (int64_t i = 0; i < mb; ++i)
+    for (int64_t l = 0; l < LANES; ++l) {
+      int32_t s = 0;
+      for (int64_t step = 0; step < 8; ++step)
+        for (int64_t j = 0; j < 4; ++j)
+          s += int32_t(x[i * stride + step * 4 + j]) * (int32_t(w[step * 64 + l * 4 + j]) - 127);
+      A[i][l] += int32_t(sc[l]) * s;
+    }
+#endif
+}
+
+// out[l] = sum_g v[g][l] * gs[g] (v: a super-block's sc or m [8][16] u8; gs: a row's group sums of q).
+inline void group_weighted(const uint8_t* v, const int32_t* gs, int32_t* out) {
 #if D3D_Q4_PATH == 2
   __m256i B[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-  for (int64_t g = 0; g < GROUPS; g += 2) {  // vpmaddwd over two groups: m[g][l] * gs[g] + m[g + 1][l] * gs[g + 1]
-    const __m128i mg = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m + g * LANES));
-    const __m128i mh = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m + (g + 1) * LANES));
+  for (int64_t g = 0; g < GROUPS; g += 2) {  // vpmaddwd over two groups: v[g][l] * gs[g] + v[g + 1][l] * gs[g + 1]
+    const __m128i mg = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v + g * LANES));
+    const __m128i mh = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v + (g + 1) * LANES));
     const __m256i pair = _mm256_set1_epi32(int32_t(uint32_t(uint16_t(gs[g])) | (uint32_t(uint16_t(gs[g + 1])) << 16)));
     B[0] = _mm256_add_epi32(B[0], _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mg, mh)), pair));
     B[1] = _mm256_add_epi32(B[1], _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_unpackhi_epi8(mg, mh)), pair));
   }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), B[0]);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 8), B[1]);
+#else
+  for (int64_t l = 0; l < LANES; ++l) out[l] = 0;
+  for (int64_t g = 0; g < GROUPS; ++g)
+    for (int64_t l = 0; l < LANES; ++l) out[l] += int32_t(v[g * LANES + l]) * gs[g];
+#endif
+}
+
+// One row's super-block done: B[l] = sum_g m[g][l] * gs[g] and acc[l] += s * (d[l] * float(A[l]) - dmin[l] * float(B[l])).
+inline void super_block_end(const int32_t* gs, float s, const uint8_t* m, const float* d, const float* dmin,
+                            const int32_t* A, float* acc) {
+  alignas(32) int32_t B[LANES];
+  group_weighted(m, gs, B);
+#if D3D_Q4_PATH == 2
   const __m256 sv = _mm256_set1_ps(s);
   for (int64_t h = 0; h < 2; ++h) {
     const __m256 a = _mm256_mul_ps(_mm256_loadu_ps(d + 8 * h),
                                    _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(A + 8 * h))));
-    const __m256 b = _mm256_mul_ps(_mm256_loadu_ps(dmin + 8 * h), _mm256_cvtepi32_ps(B[h]));
+    const __m256 b = _mm256_mul_ps(_mm256_loadu_ps(dmin + 8 * h),
+                                   _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(B + 8 * h))));
     _mm256_storeu_ps(acc + 8 * h, _mm256_add_ps(_mm256_loadu_ps(acc + 8 * h), _mm256_mul_ps(sv, _mm256_sub_ps(a, b))));
   }
 #else
-  int32_t B[LANES] = {};
-  for (int64_t g = 0; g < GROUPS; ++g)
-    for (int64_t l = 0; l < LANES; ++l) B[l] += int32_t(m[g * LANES + l]) * gs[g];
   for (int64_t l = 0; l < LANES; ++l) {
     const float t = d[l] * float(A[l]) - dmin[l] * float(B[l]);
     acc[l] = acc[l] + s * t;
@@ -184,13 +253,15 @@ inline void block_out(const int8_t* xq, int64_t SB, const float* xs, const int32
     alignas(32) int32_t A[mb][LANES] = {};
     for (int64_t g = 0; g < GROUPS; ++g) {
       const int8_t* x = xq + m0 * Kp + sb * SUPER + g * GROUP;
-      if constexpr (planes == 1) {
-        group_add<mb>(x, Kp, q + g * 256, sc + g * LANES, 1, A);
-      } else {  // q = 16 * high nibble + low nibble
-        group_add<mb>(x, Kp, q + g * 512, sc + g * LANES, 16, A);
-        group_add<mb>(x, Kp, q + g * 512 + 256, sc + g * LANES, 1, A);
-      }
+      if constexpr (planes == 1) group_add<mb>(x, Kp, q + g * 256, sc + g * LANES, 1, A);
+      else group_add8<mb>(x, Kp, q + g * 512, sc + g * LANES, A);
     }
+    if constexpr (planes == 2)  // the 127 that group_add8 took out of every q: 127 * sum_g sc * sum(x)
+      for (int64_t i = 0; i < mb; ++i) {
+        alignas(32) int32_t C[LANES];
+        group_weighted(sc, xsum + (m0 + i) * SB * GROUPS + sb * GROUPS, C);
+        for (int64_t l = 0; l < LANES; ++l) A[i][l] += 127 * C[l];
+      }
     for (int64_t i = 0; i < mb; ++i)
       super_block_end(xsum + (m0 + i) * SB * GROUPS + sb * GROUPS, xs[(m0 + i) * SB + sb], m, d, dmin, A[i], acc[i]);
   }
