@@ -23,8 +23,8 @@ def best_method(target: str | Path | None) -> str:
     return BEST_METHODS.get(Path(str(target)).name, BEST_METHOD) if target else BEST_METHOD
 
 # methods that run the target on a runtime of their own, not on d3d's loaded model, which --quantize
-# converts: what they run, and what to do instead (check_quantize). llama-cpp-q8 is not one: it always
-# runs llama.cpp's own int8 (Q8_0), the counterpart of --quantize int8.
+# converts: what they run, and what to do instead (check_quantize). llama-cpp-q8 / llama-cpp-q4 are not: they
+# always run llama.cpp's own int8 (Q8_0) / 4-bit (Q4_0), the counterparts of --quantize int8 / int4.
 OWN_RUNTIME = {"hf": ("transformers' own fp32 model", "run it without --quantize"),
                "hf-lookup": ("transformers' own fp32 model", "run it without --quantize"),
                "llama-cpp": ("llama.cpp's own F32 GGUF", "use llama-cpp-q8 for int8"),

@@ -3,7 +3,8 @@
 What a CPU user would run instead of d3d, so that `d3d bench --methods llama-cpp` always prints it
 beside our numbers. The weights are those of the GGUF file the target was converted from, rewritten
 once in the cache as GGUF F32 (dequantized exactly as transformers dequantized them for our fp32
-checkpoint) or Q8_0 (llama.cpp's int8, requantized from those F32 values); `llama-cpp-source` runs that
+checkpoint), Q8_0 (llama.cpp's int8, requantized from those F32 values) or Q4_0 (`llama-cpp-q4`, its
+4-bit blocks of 32, the LM head in Q8_0); `llama-cpp-source` runs that
 GGUF file as it is (Qwen2.5-Coder-1.5B-Instruct's is Q4_K_M: what llama.cpp users download), and
 `llama-cpp-lookup` runs the F32 file with llama-cpp-python's prompt-lookup drafting
 (LlamaPromptLookupDecoding: the next LOOKUP_TOKENS tokens after the latest earlier match of the text's
@@ -24,7 +25,7 @@ from ..errors import D3DError, first_line
 from .registry import Method, Runner, Setup, register
 from ..decoding.verify import SamplingParams
 
-WEIGHT_TYPES = ("f32", "q8_0")
+WEIGHT_TYPES = ("f32", "q8_0", "q4_0")
 LOOKUP_TOKENS = 10  # llama-cpp-python's LlamaPromptLookupDecoding default (transformers' prompt lookup: 10 too)
 
 
@@ -48,8 +49,8 @@ def convert_gguf(src: Path, dst: Path, weights: str) -> Path:
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, Keys
     from gguf.quants import dequantize, quantize
 
-    qtype = {"f32": GGMLQuantizationType.F32, "q8_0": GGMLQuantizationType.Q8_0}[weights]
-    file_type = {"f32": 0, "q8_0": 7}[weights]  # llama_ftype: ALL_F32, MOSTLY_Q8_0
+    qtype = {"f32": GGMLQuantizationType.F32, "q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}[weights]
+    file_type = {"f32": 0, "q8_0": 7, "q4_0": 2}[weights]  # llama_ftype: ALL_F32, MOSTLY_Q8_0, MOSTLY_Q4_0
     try:
         reader = GGUFReader(src)
         arch = reader.fields[Keys.General.ARCHITECTURE].contents()
@@ -65,13 +66,20 @@ def convert_gguf(src: Path, dst: Path, weights: str) -> Path:
             writer.add_key_value(field.name, field.contents(), kind,
                                  sub_type=field.types[-1] if kind == GGUFValueType.ARRAY else None)
         writer.add_file_type(file_type)
+        has_output = any(t.name == "output.weight" for t in reader.tensors)
         for t in reader.tensors:
             data = dequantize(t.data, t.tensor_type).astype(np.float32)
+            kind = qtype
+            # llama-quantize keeps the LM head (a tied embedding too) in 6 bits for 4-bit files; the gguf
+            # package cannot write Q6_K, so Q8_0
+            if qtype == GGMLQuantizationType.Q4_0 and (t.name == "output.weight" or
+                                                         (t.name == "token_embd.weight" and not has_output)):
+                kind = GGMLQuantizationType.Q8_0
             # norms and other 1-D tensors stay F32, as llama.cpp's own converter keeps them
-            if qtype == GGMLQuantizationType.F32 or data.ndim < 2 or data.shape[-1] % 32:
+            if kind == GGMLQuantizationType.F32 or data.ndim < 2 or data.shape[-1] % 32:
                 writer.add_tensor(t.name, data)
             else:
-                writer.add_tensor(t.name, quantize(data, qtype), raw_dtype=qtype)
+                writer.add_tensor(t.name, quantize(data, kind), raw_dtype=kind)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -92,7 +100,7 @@ def gguf_whole(path: Path) -> bool:
 
 
 def reference_gguf(model_dir: Path, weights: str = "f32") -> Path:
-    """The cached GGUF of the target's weights as `weights` (f32 or q8_0), keyed by its source's content
+    """The cached GGUF of the target's weights as `weights` (f32, q8_0 or q4_0), keyed by its source's content
     (d3d.runtime.checkpoints.content_key), made once under the cache lock (a process that waited finds it
     done), and made again if the cached file no longer reads whole (gguf_whole)."""
     from ..runtime.checkpoints import cache_dir, cache_lock, content_key
@@ -183,7 +191,7 @@ class LlamaCppRunner:
 
 
 def _llama_cpp(weights: str | None, lookup: int = 0):
-    """weights: f32 or q8_0 (the cached rewrite), None for the source GGUF file as it is; lookup: as
+    """weights: f32, q8_0 or q4_0 (the cached rewrite), None for the source GGUF file as it is; lookup: as
     LlamaCppRunner's."""
     def build(s: Setup) -> Runner:
         import torch
@@ -203,6 +211,8 @@ LLAMA_CPP = register(Method("llama-cpp", _llama_cpp("f32"), logprobs=False, own_
                             help="reference: llama.cpp on GGUF F32 of the same weights"))
 LLAMA_CPP_Q8 = register(Method("llama-cpp-q8", _llama_cpp("q8_0"), logprobs=False, own_prefill=True,
                                help="reference: llama.cpp on GGUF Q8_0"))
+LLAMA_CPP_Q4 = register(Method("llama-cpp-q4", _llama_cpp("q4_0"), logprobs=False, own_prefill=True,
+                               help="reference: llama.cpp on GGUF Q4_0 (the LM head in Q8_0)"))
 LLAMA_CPP_SOURCE = register(Method("llama-cpp-source", _llama_cpp(None), logprobs=False, own_prefill=True,
                                    help="reference: llama.cpp on the GGUF file the target was converted from, "
                                         "as it is (e.g. Q4_K_M)"))

@@ -32,7 +32,8 @@ DEFAULT_DRAFTERS = Path(__file__).parent.parent / "assets" / "drafters"
 BUILTIN: dict[str, str | None] = {
     "ar": None, "ngram": None, "lookup-tree": None, "suffix": None, "draft-model": "draft-model",
     **{method: kind.option for kind in KINDS.values() for method in kind.methods},
-    "hf": None, "hf-lookup": None, "llama-cpp": None, "llama-cpp-q8": None, "llama-cpp-source": None,
+    "hf": None, "hf-lookup": None, "llama-cpp": None, "llama-cpp-q8": None, "llama-cpp-q4": None,
+    "llama-cpp-source": None,
     "llama-cpp-lookup": None,
 }
 

@@ -1,6 +1,6 @@
-"""Sampling stays lossless in int8: `--quantize int8` (the target and its drafter in int8) and
-`--quantize-drafter int8` (the drafter alone; the target stays fp32), for every built-in method each option
-applies to, on the law tests' tiny target with sampling_law's per-method harness (method_runner).
+"""Sampling stays lossless in int8 and int4: `--quantize int8|int4` (the target and its drafter quantized)
+and `--quantize-drafter int8|int4` (the drafter alone; the target stays fp32), for every built-in method each
+option applies to, on the law tests' tiny target with sampling_law's per-method harness (method_runner).
 
 int8 changes the target's law, so under --quantize int8 the reference is the exact law of the same int8
 target (and plain `ar` sampling of that runtime is checked against it first); under --quantize-drafter
@@ -20,7 +20,7 @@ import d3d.methods.catalog  # noqa: F401  (imports, so registers, every built-in
 import d3d.methods.draftmodel
 from d3d.methods.draftmodel import DraftModel, load_draft_model
 from d3d.drafters.files import save_drafter
-from d3d.runtime.quantize import Int8Linear, apply_quantize
+from d3d.runtime.quantize import Int4Linear, Int8Linear, apply_quantize
 from d3d.drafters.kinds import KINDS
 from d3d.methods.registry import BUILTIN, Setup, get
 from helpers import EOS, StubTokenizer, needs_suffix, tiny_model
@@ -32,8 +32,10 @@ REFERENCES = {m for m in BUILTIN if get(m).own_prefill}  # their own runtimes: -
 # built-in method added later gets its cases here at once (and fails them until method_runner runs it). Each
 # drafter method samples with temperature alone in one mode and with top-k + top-p in the other.
 INT8_PARAMS = {m: (TEMP, TRUNCATED)[i % 2] for i, m in enumerate(m for m in BUILTIN if m not in REFERENCES)}
-CASES = [("int8", m, p) for m, p in INT8_PARAMS.items()] + \
-        [("drafter-int8", m, TRUNCATED if INT8_PARAMS[m] is TEMP else TEMP) for m, option in BUILTIN.items() if option]
+CASES = [(bits, m, p) for bits in ("int8", "int4") for m, p in INT8_PARAMS.items()] + \
+        [(f"drafter-{bits}", m, TRUNCATED if INT8_PARAMS[m] is TEMP else TEMP)
+         for bits in ("int8", "int4") for m, option in BUILTIN.items() if option]
+LINEAR = {"int8": Int8Linear, "int4": Int4Linear}
 
 
 SHARED_HEAD = 40.0
@@ -60,7 +62,8 @@ def loaded(tmp_path_factory):
     torch.set_num_threads(1)  # thousands of tiny forwards: threading only adds overhead
     tok, folder = StubTokenizer(), tmp_path_factory.mktemp("drafters")
     targets = {"int8": apply_quantize(int8_sensitive(tiny_model()), "int8", tok),
-               "drafter-int8": int8_sensitive(tiny_model())}
+               "int4": apply_quantize(int8_sensitive(tiny_model()), "int4", tok),
+               "drafter-int8": int8_sensitive(tiny_model()), "drafter-int4": int8_sensitive(tiny_model())}
     for method, kind in (("d3d", "d3d"), ("ar-draft", "ar"), ("dflash", "dflash")):
         d = method_drafter(method)
         d.cfg.own_embeddings = True  # keep its own (noisy) head: the target's would make it agree too often
@@ -71,7 +74,7 @@ def loaded(tmp_path_factory):
         if (mode, method) not in memo:
             target, kind = targets[mode], get(method).drafter_kind
             setup = Setup(target, tok, folder, folder / str(kind), options={},
-                          quantize_drafter="int8" if mode == "drafter-int8" else None)
+                          quantize_drafter=mode.removeprefix("drafter-") if mode.startswith("drafter-") else None)
             if kind is None:
                 drafter = None
             elif kind == "model":  # its whole model: method_drafter's noisy copy, as if loaded from a folder
@@ -89,7 +92,8 @@ def loaded(tmp_path_factory):
     torch.set_num_threads(threads)
 
 
-OTHER_MODE = {"int8": "drafter-int8", "drafter-int8": "int8"}  # the int8 target's law vs the fp32 target's
+# the quantized target's law vs the fp32 target's
+OTHER_MODE = {"int8": "drafter-int8", "drafter-int8": "int8", "int4": "drafter-int4", "drafter-int4": "int4"}
 
 
 @pytest.fixture(scope="module")
@@ -108,18 +112,19 @@ def laws(loaded):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,method,params", CASES, ids=[f"{mode}-{m}-{PARAMS_ID[id(p)]}" for mode, m, p in CASES])
-def test_sampling_in_int8_keeps_the_law(loaded, laws, mode, method, params):
+def test_sampling_quantized_keeps_the_law(loaded, laws, mode, method, params):
     if method == "suffix":
         needs_suffix()
     target, drafter = loaded(mode, method)
-    assert getattr(target, "quantized", None) == ("int8" if mode == "int8" else None)
-    if drafter is not None:  # the drafter really runs in int8, in either mode
+    bits = mode.removeprefix("drafter-")
+    assert getattr(target, "quantized", None) == (None if mode.startswith("drafter-") else bits)
+    if drafter is not None:  # the drafter really runs quantized, in either mode
         model = drafter.model if isinstance(drafter, DraftModel) else drafter
-        assert isinstance(model.layers[0].feed_forward.w13, Int8Linear)
+        assert isinstance(model.layers[0].feed_forward.w13, LINEAR[bits])
     samples, rounds = draw(method_runner(method, target, drafter), params, N_ALL, FIRST)
     dist = laws(mode, params)
     assert set(samples) <= set(dist)
     if method != "ar":
         assert sum(n for length, n in rounds.items() if length > 1) > 100  # drafts really were accepted
     assert chi2_pvalue(samples, dist) > 1e-3
-    assert chi2_pvalue(samples, laws(OTHER_MODE[mode], params)) < 1e-6  # the draws can tell int8 from fp32
+    assert chi2_pvalue(samples, laws(OTHER_MODE[mode], params)) < 1e-6  # the draws can tell it from fp32
