@@ -239,7 +239,7 @@ def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams | N
     res = GenerationResult(prompt_ids=list(prompt_ids))
     model.setup_cache(1, len(prompt_ids) + max_new_tokens + block_size + 1)
     taps_of = None if proposer is None else proposer.hidden_layers or None
-    budget = batch_draft_length(model, block_size) if proposer is not None else None
+    budget = None if proposer is None or getattr(proposer, "sizes_drafts", False) else batch_draft_length(model, block_size)
     tokens, reason, t1 = prefill(model, res, stopper, prompt_ids, params, gen, device, on_round, logprobs, proposer)
     while reason is None:
         if proposer is None:

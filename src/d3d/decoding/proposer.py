@@ -31,6 +31,8 @@ from .verify import SamplingParams, draft_generator
 class Proposer:
     name = ""
     hidden_layers: list[int] = []
+    sizes_drafts = False  # True: it cuts its own drafts to what pays (a cost model of its own), so the engine's
+    # DraftLength (d3d.decoding.budget) leaves them alone in a batch
 
     def __init__(self):
         self.params = SamplingParams()

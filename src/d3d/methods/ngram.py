@@ -27,6 +27,7 @@ class NgramProposer(Proposer):
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_draft: int = 10, cost: WidthCost | None = None):
         super().__init__()
         self.max_ngram, self.min_ngram, self.max_draft, self.cost = max_ngram, min_ngram, max_draft, cost
+        self.sizes_drafts = cost is not None  # _length: with the batch's load where there is one
 
     def reset(self, prompt_ids: list[int]) -> None:
         self.hits = {n: [1.0, 2.0] for n in range(self.min_ngram, self.max_ngram + 1)}  # [right, tried]: 0.5 prior

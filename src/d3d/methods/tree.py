@@ -146,10 +146,10 @@ class TreeProposer(Proposer):
         others = self.cost.others()
         if others[0] == 0 or self.plain_rounds >= PROBE_ROUNDS:
             return True
-        spec = self.cost.rate(self.spec_tokens, round(self.spec_width), others)
-        spec *= self.cost(others[0] + round(self.spec_width)) / (
-            self.cost(others[0] + round(self.spec_width)) + self.propose_s)
-        return spec >= self.cost.rate(1.0, 1, others)
+        # the tree's round pays its proposing seconds (the drafter's pass included), the plain step none:
+        # the cost model's `overhead` (the drafter's pass) would charge the plain step too
+        spec = (self.spec_tokens + others[1]) / (self.cost(others[0] + round(self.spec_width)) + self.propose_s)
+        return spec >= (1.0 + others[1]) / self.cost(others[0] + 1)
 
     def _counts(self, key: tuple) -> list[float]:
         if key[0] == "ngram":
