@@ -44,11 +44,11 @@ def packed_model():
         return on_cpu_layers(Transformer(tiny_args(64, 64, dim=64)).eval().requires_grad_(False))
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8"])
+@pytest.mark.parametrize("precision", ["fp32", "int8", "int4"])
 def test_batched_rows_are_bitwise_the_solo_rows(precision):
     model = packed_model()
-    if precision == "int8":
-        model = apply_quantize(model, "int8", StubTokenizer(64))
+    if precision != "fp32":
+        model = apply_quantize(model, precision, StubTokenizer(64))
     batch = BatchedTarget(model, 3, max_len=64)
     assert batch.native, "the tiny target runs on the C++ layers"
     prompts = [[1, 2, 3, 4, 5], [6, 7], [0, 1, 2]]
