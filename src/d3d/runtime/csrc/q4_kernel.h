@@ -74,31 +74,34 @@ inline void group_add(const int8_t* x, int64_t stride, const uint8_t* w, const u
                       int32_t A[mb][LANES]) {
 #if D3D_Q4_PATH == 2
   // int16 sums stay exact: 8 steps of two products of at most 15 * 127 each, 30480 in all; vpmaddwd then
-  // multiplies each output's two int16 sums by its scale and adds them in int32
+  // multiplies each output's two int16 sums by its scale and adds them in int32. The group's nibbles are
+  // unpacked once into `wv` (L1), then each row runs on its own accumulators: with all rows' accumulators and
+  // the unpacked weights live at once the compiler spilled registers inside the loop.
   const __m256i low = _mm256_set1_epi8(0x0F);
-  __m256i acc[mb][2];
-  for (int64_t i = 0; i < mb; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+  alignas(32) __m256i wv[4][4];
   for (int64_t p = 0; p < 4; ++p) {
     const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 64));
     const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 64 + 32));
-    const __m256i e0 = _mm256_and_si256(r0, low), e1 = _mm256_and_si256(r1, low);  // step 2p: outputs 0-7, 8-15
-    const __m256i o0 = _mm256_and_si256(_mm256_srli_epi16(r0, 4), low);           // step 2p + 1
-    const __m256i o1 = _mm256_and_si256(_mm256_srli_epi16(r1, 4), low);
-    for (int64_t i = 0; i < mb; ++i) {
-      const __m256i a = _mm256_set1_epi32(int8::quad(x + i * stride + p * 8));
-      const __m256i b = _mm256_set1_epi32(int8::quad(x + i * stride + p * 8 + 4));
-      acc[i][0] = _mm256_add_epi16(acc[i][0], _mm256_add_epi16(_mm256_maddubs_epi16(e0, a), _mm256_maddubs_epi16(o0, b)));
-      acc[i][1] = _mm256_add_epi16(acc[i][1], _mm256_add_epi16(_mm256_maddubs_epi16(e1, a), _mm256_maddubs_epi16(o1, b)));
-    }
+    wv[p][0] = _mm256_and_si256(r0, low);  // step 2p: outputs 0-7
+    wv[p][1] = _mm256_and_si256(r1, low);  // step 2p: outputs 8-15
+    wv[p][2] = _mm256_and_si256(_mm256_srli_epi16(r0, 4), low);  // step 2p + 1
+    wv[p][3] = _mm256_and_si256(_mm256_srli_epi16(r1, 4), low);
   }
   const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));  // each scale twice, as int16
   const __m256i m16 = _mm256_set1_epi16(int16_t(mult));
   const __m256i s0 = _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(s8, s8)), m16);
   const __m256i s1 = _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm_unpackhi_epi8(s8, s8)), m16);
   for (int64_t i = 0; i < mb; ++i) {
-    __m256i* a = reinterpret_cast<__m256i*>(A[i]);
-    _mm256_storeu_si256(a, _mm256_add_epi32(_mm256_loadu_si256(a), _mm256_madd_epi16(acc[i][0], s0)));
-    _mm256_storeu_si256(a + 1, _mm256_add_epi32(_mm256_loadu_si256(a + 1), _mm256_madd_epi16(acc[i][1], s1)));
+    __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
+    for (int64_t p = 0; p < 4; ++p) {
+      const __m256i a = _mm256_set1_epi32(int8::quad(x + i * stride + p * 8));
+      const __m256i b = _mm256_set1_epi32(int8::quad(x + i * stride + p * 8 + 4));
+      acc0 = _mm256_add_epi16(acc0, _mm256_add_epi16(_mm256_maddubs_epi16(wv[p][0], a), _mm256_maddubs_epi16(wv[p][2], b)));
+      acc1 = _mm256_add_epi16(acc1, _mm256_add_epi16(_mm256_maddubs_epi16(wv[p][1], a), _mm256_maddubs_epi16(wv[p][3], b)));
+    }
+    __m256i* out = reinterpret_cast<__m256i*>(A[i]);
+    _mm256_storeu_si256(out, _mm256_add_epi32(_mm256_loadu_si256(out), _mm256_madd_epi16(acc0, s0)));
+    _mm256_storeu_si256(out + 1, _mm256_add_epi32(_mm256_loadu_si256(out + 1), _mm256_madd_epi16(acc1, s1)));
   }
 #elif D3D_Q4_PATH == 3
   const uint8x16_t low = vdupq_n_u8(0x0F);
