@@ -104,7 +104,7 @@ def _throughput(args: argparse.Namespace) -> None:
         raise D3DError("--throughput starts its own servers (one per method): drop --url")
     methods = parse_methods(args.methods or f"ar,{best_method(args.target)}")
     cfg = LoadTest(max_tokens=args.max_tokens, target=args.target, threads=args.threads or 1,
-                   long_prompt_tokens=args.long_prompt_tokens)
+                   long_prompt_tokens=args.long_prompt_tokens, quantize=args.quantize)
     out = {"command": "d3d " + shlex.join(args.argv),
            **run_throughput(cfg, methods, levels, args.requests, not args.no_llama_cpp, args.max_batch)}
     print(throughput_table(out), file=sys.stderr)
@@ -121,6 +121,9 @@ def cmd_loadtest(args: argparse.Namespace) -> None:
 
     if args.throughput:
         return _throughput(args)
+    if args.quantize:
+        raise D3DError("--quantize applies to --throughput (its own servers); start the server yourself with "
+                       "d3d serve --quantize and pass --url")
     if args.clients < 1 or args.duration <= 0 or args.max_tokens < 1:
         raise D3DError("--clients and --max-tokens must be >= 1 and --duration > 0")
     phases = tuple(p.strip() for p in args.phases.split(",") if p.strip())

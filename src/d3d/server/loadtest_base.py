@@ -41,6 +41,7 @@ class LoadTest:
     request_timeout: float = 10.0
     phases: tuple = PHASES
     long_prompt_tokens: int = 4000
+    quantize: str | None = None  # --throughput: the d3d servers' --quantize (llama.cpp then runs the like weights)
     leave_after: float = 2.0
     connections: int = 200
     hold_s: float = 30.0

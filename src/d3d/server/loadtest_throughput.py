@@ -136,21 +136,26 @@ def d3d_server(cfg: LoadTest, method: str, max_batch: int, log) -> tuple[subproc
     port = free_port()
     cmd = [sys.executable, "-m", "d3d.cli", "serve", "--method", method, "--threads", str(cfg.threads),
            "--port", str(port), "--max-queue", str(max(16, 2 * max_batch)), "--no-learn", "--max-batch",
-           str(max_batch)] + (["--target", cfg.target] if cfg.target else [])
+           str(max_batch)] + (["--target", cfg.target] if cfg.target else []) + \
+          (["--quantize", cfg.quantize] if cfg.quantize else [])
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), port
 
 
 def llama_cpp_server(cfg: LoadTest, log) -> tuple[subprocess.Popen, int, str] | None:
-    """llama-cpp-python's OpenAI server on the target's weights as a GGUF (F32: the precision d3d serves), or
-    None where llama-cpp-python[server] is not installed."""
+    """llama-cpp-python's OpenAI server on the target's weights as a GGUF in the precision d3d serves (F32; with
+    --quantize int8 Q8_0; with int4 the target's own 4-bit file where it comes from one, else Q4_0), or None
+    where llama-cpp-python[server] is not installed."""
     try:
         import llama_cpp.server  # noqa: F401
     except ImportError:
         return None
     from ..methods.llamacpp import reference_gguf
     from ..runtime.checkpoints import resolve_target
+    from ..runtime.gguf_load import target_gguf
 
-    gguf = reference_gguf(resolve_target(cfg.target), "f32")
+    source = target_gguf(cfg.target) if cfg.quantize == "int4" else None
+    gguf = source[0] if source else reference_gguf(resolve_target(cfg.target),
+                                                   {None: "f32", "int8": "q8_0", "int4": "q4_0"}[cfg.quantize])
     port = free_port()
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--n_threads", str(cfg.threads),
            "--n_threads_batch", str(cfg.threads), "--n_ctx", "8192", "--host", "127.0.0.1", "--port", str(port),
@@ -193,7 +198,7 @@ def run_throughput(cfg: LoadTest, methods: list[str], levels: tuple[int, ...] = 
     long = long_text(lambda t: tok.encode(t), cfg.long_prompt_tokens, prompts)
     out = {"phase": "throughput", "target": cfg.target, "max_tokens": cfg.max_tokens, "threads": cfg.threads,
            "requests": len(prompts), "concurrency": list(levels), "max_batch": max_batch or max(levels),
-           "runtime": runtime_info(), "servers": {}}
+           "quantize": cfg.quantize, "runtime": runtime_info(quantized=cfg.quantize is not None), "servers": {}}
     for name in [*methods, *(["llama.cpp"] if llama_cpp else [])]:
         with tempfile.TemporaryFile() as log:
             if name == "llama.cpp":
