@@ -13,7 +13,8 @@ from d3d.runtime.gguf_load import _parts, gguf_model_folder, load_gguf_int4
 from d3d.runtime.kernels import dequantize_q4, load_kernels, pack_q4_parts, q4_parts, quantize_q4
 from d3d.runtime.loading import load_target
 from d3d.runtime.quantize import Int4Linear
-from test_quantize import DRAFTING, GREEDY_NEW, GREEDY_PROMPTS, SPECULATIVE, loaded_drafter, runner
+from test_quantize import (DRAFTING, GREEDY_NEW, GREEDY_PROMPTS, SPECULATIVE, assert_plain_outputs, loaded_drafter,
+                           runner)
 
 
 def reference(x: torch.Tensor, parts: tuple, bias: torch.Tensor) -> torch.Tensor:
@@ -144,23 +145,13 @@ def test_int4_speculative_methods_equal_int4_plain_decoding(int4_target, prompt_
     spec = runner(method, model, tok, model_dir)
     if method in DRAFTING:  # the drafter follows the target into int4
         assert isinstance(loaded_drafter(model, tok, model_dir, method).layers[0].feed_forward.w13, Int4Linear)
-    lengths = []
-    for i, want in zip(GREEDY_PROMPTS, int4_ar["int4"]):
-        res = spec(prompt_ids[i], max_new_tokens=GREEDY_NEW)
-        assert res.token_ids == want
-        lengths += res.acceptance_lengths
-    assert max(lengths) >= 2  # drafts were accepted: a method that drafts nothing cannot pass
+    assert_plain_outputs(spec, prompt_ids, int4_ar["int4"])
 
 
 @pytest.mark.parametrize("method", ["lookup-tree", "ngram"])
 def test_a_gguf_int4_target_is_lossless(gguf_int4_target, prompt_ids, int4_ar, method):
     model, tok, model_dir = gguf_int4_target
-    lengths = []
-    for i, want in zip(GREEDY_PROMPTS, int4_ar["gguf"]):
-        res = make_runner(method, model, tok, model_dir)(prompt_ids[i], max_new_tokens=GREEDY_NEW)
-        assert res.token_ids == want
-        lengths += res.acceptance_lengths
-    assert max(lengths) >= 2
+    assert_plain_outputs(make_runner(method, model, tok, model_dir), prompt_ids, int4_ar["gguf"])
 
 
 def test_int4_off_the_cpu_is_a_clear_error():

@@ -239,18 +239,24 @@ def loaded_drafter(model, tok, model_dir, method, quantize_drafter=None):
     return setup.drafter(KINDS[get(method).drafter_kind], method)
 
 
+def assert_plain_outputs(spec, prompt_ids, wants) -> None:
+    """`spec` gives plain decoding's tokens `wants` on GREEDY_PROMPTS, with drafts accepted: a method that
+    drafts nothing cannot pass."""
+    lengths = []
+    for i, want in zip(GREEDY_PROMPTS, wants):
+        res = spec(prompt_ids[i], max_new_tokens=GREEDY_NEW)
+        assert res.token_ids == want
+        lengths += res.acceptance_lengths
+    assert max(lengths) >= 2
+
+
 @pytest.mark.parametrize("method", SPECULATIVE)
 def test_int8_speculative_methods_equal_int8_plain_decoding(int8_target, prompt_ids, ar_outputs, method):
     model, tok, model_dir = int8_target
     spec = runner(method, model, tok, model_dir)
     if method in DRAFTING:  # the drafter follows the target into int8
         assert isinstance(loaded_drafter(model, tok, model_dir, method).layers[0].feed_forward.w13, Int8Linear)
-    lengths = []
-    for i, want in zip(GREEDY_PROMPTS, ar_outputs["int8"]):
-        res = spec(prompt_ids[i], max_new_tokens=GREEDY_NEW)
-        assert res.token_ids == want
-        lengths += res.acceptance_lengths
-    assert max(lengths) >= 2  # drafts were accepted: a method that drafts nothing cannot pass
+    assert_plain_outputs(spec, prompt_ids, ar_outputs["int8"])
 
 
 @pytest.mark.parametrize("method", DRAFTING)
@@ -261,12 +267,7 @@ def test_an_int8_drafter_on_an_fp32_target_keeps_the_fp32_output(smol, prompt_id
     drafter = loaded_drafter(model, tok, model_dir, method, quantize_drafter="int8")
     assert isinstance(drafter.layers[0].feed_forward.w13, Int8Linear)
     assert getattr(model, "quantized", None) is None and not isinstance(model.layers[0].feed_forward.w13, Int8Linear)
-    lengths = []
-    for i, want in zip(GREEDY_PROMPTS, ar_outputs["fp32"]):
-        res = spec(prompt_ids[i], max_new_tokens=GREEDY_NEW)
-        assert res.token_ids == want
-        lengths += res.acceptance_lengths
-    assert max(lengths) >= 2  # the int8 drafter's drafts were accepted
+    assert_plain_outputs(spec, prompt_ids, ar_outputs["fp32"])  # the int8 drafter's drafts were accepted
 
 
 def test_unknown_quantize_mode_is_a_clear_error():

@@ -67,6 +67,21 @@ inline void quantize_row(const float* row, int64_t K, int8_t* q, float* xs, int3
   }
 }
 
+#if D3D_Q4_PATH == 3
+// A[i][l] += mult * sc[l] * acc[i][l / 4][l % 4]: a group's int32 sums (four registers of 4 outputs per row)
+// scaled by their outputs' scales.
+template <int64_t mb>
+inline void add_scaled(const int32x4_t (*acc)[4], const uint8_t* sc, int32_t mult, int32_t A[mb][LANES]) {
+  const uint8x16_t s8 = vld1q_u8(sc);
+  const uint16x8_t s16[2] = {vmovl_u8(vget_low_u8(s8)), vmovl_u8(vget_high_u8(s8))};
+  for (int64_t j = 0; j < 4; ++j) {
+    const int32x4_t s = vmulq_n_s32(
+        vreinterpretq_s32_u32(j % 2 ? vmovl_high_u16(s16[j / 2]) : vmovl_u16(vget_low_u16(s16[j / 2]))), mult);
+    for (int64_t i = 0; i < mb; ++i) vst1q_s32(A[i] + j * 4, vmlaq_s32(vld1q_s32(A[i] + j * 4), acc[i][j], s));
+  }
+}
+#endif
+
 // A[i][l] += mult * sc[l] * (sum over the group's 32 k of x[i * stride + k] * nibble(output l, k)), for rows
 // i < mb; w: the group's 4 pairs of steps in one plane (256 bytes); sc: the group's 16 scales.
 template <int64_t mb>
@@ -121,12 +136,7 @@ inline void group_add(const int8_t* x, int64_t stride, const uint8_t* w, const u
       for (int64_t j = 0; j < 4; ++j) acc[i][j] = vdotq_s32(vdotq_s32(acc[i][j], e[j], a), o[j], b);
     }
   }
-  const uint8x16_t s8 = vld1q_u8(sc);
-  const uint16x8_t s16[2] = {vmovl_u8(vget_low_u8(s8)), vmovl_u8(vget_high_u8(s8))};
-  for (int64_t j = 0; j < 4; ++j) {
-    const int32x4_t s = vmulq_n_s32(vreinterpretq_s32_u32(j % 2 ? vmovl_high_u16(s16[j / 2]) : vmovl_u16(vget_low_u16(s16[j / 2]))), mult);
-    for (int64_t i = 0; i < mb; ++i) vst1q_s32(A[i] + j * 4, vmlaq_s32(vld1q_s32(A[i] + j * 4), acc[i][j], s));
-  }
+  add_scaled<mb>(acc, sc, mult, A);
 #else
   for (int64_t i = 0; i < mb; ++i)
     for (int64_t l = 0; l < LANES; ++l) {
@@ -180,12 +190,7 @@ inline void group_add8(const int8_t* x, int64_t stride, const uint8_t* w, const 
       for (int64_t j = 0; j < 4; ++j) acc[i][j] = vdotq_s32(acc[i][j], q[j], a);
     }
   }
-  const uint8x16_t s8 = vld1q_u8(sc);
-  const uint16x8_t s16[2] = {vmovl_u8(vget_low_u8(s8)), vmovl_u8(vget_high_u8(s8))};
-  for (int64_t j = 0; j < 4; ++j) {
-    const int32x4_t s = vreinterpretq_s32_u32(j % 2 ? vmovl_high_u16(s16[j / 2]) : vmovl_u16(vget_low_u16(s16[j / 2])));
-    for (int64_t i = 0; i < mb; ++i) vst1q_s32(A[i] + j * 4, vmlaq_s32(vld1q_s32(A[i] + j * 4), acc[i][j], s));
-  }
+  add_scaled<mb>(acc, sc, 1, A);
 #else
   for (int64_t i = 0; i < mb; ++i)
     for (int64_t l = 0; l < LANES; ++l) {
