@@ -100,7 +100,7 @@ void q4_products() {
       std::vector<int32_t> xsum(M * SB * q4::GROUPS);
       for (int64_t m = 0; m < M; ++m)
         q4::quantize_row(&x[m * K], K, &q[m * SB * q4::SUPER], &xs[m * SB], &xsum[m * SB * q4::GROUPS]);
-      q4::blocks(planes, q.data(), M, SB, xs.data(), xsum.data(), wq.data(), wsm.data(), wdd.data(), N, bias.data(),
+      q4::blocks(planes, q.data(), M, K, xs.data(), xsum.data(), wq.data(), wsm.data(), wdd.data(), N, bias.data(),
                  y.data(), 0, NB);
       char name[64];
       std::snprintf(name, sizeof name, "int4 %lld planes %lldx%lldx%lld", static_cast<long long>(planes),

@@ -246,11 +246,13 @@ inline void super_block_end(const int32_t* gs, float s, const uint8_t* m, const 
 }
 
 // Outputs n0 = 16 * nb .. n0 + 15 (those below N) of rows m0 .. m0 + mb - 1 (see the top of this file).
+// Groups past k = K (padding: zero activations, zero weights) are skipped: they add nothing.
 template <int64_t planes, int64_t mb>
-inline void block_out(const int8_t* xq, int64_t SB, const float* xs, const int32_t* xsum,
+inline void block_out(const int8_t* xq, int64_t K, const float* xs, const int32_t* xsum,
                       const uint8_t* wq, const uint8_t* wsm, const float* wdd, int64_t nb, int64_t N, int64_t m0,
                       const float* bias, float* y) {
-  const int64_t n0 = nb * LANES, nl = std::min(LANES, N - n0), Kp = SB * SUPER;
+  const int64_t SB = (K + SUPER - 1) / SUPER, Kp = SB * SUPER, last = (K - (SB - 1) * SUPER + GROUP - 1) / GROUP;
+  const int64_t n0 = nb * LANES, nl = std::min(LANES, N - n0);
   float acc[mb][LANES] = {};
   for (int64_t sb = 0; sb < SB; ++sb) {
     const uint8_t* q = wq + (nb * SB + sb) * planes * PLANE;
@@ -259,7 +261,7 @@ inline void block_out(const int8_t* xq, int64_t SB, const float* xs, const int32
     const float* d = wdd + (nb * SB + sb) * FACTORS;
     const float* dmin = d + LANES;
     alignas(32) int32_t A[mb][LANES] = {};
-    for (int64_t g = 0; g < GROUPS; ++g) {
+    for (int64_t g = 0; g < (sb + 1 < SB ? GROUPS : last); ++g) {
       const int8_t* x = xq + m0 * Kp + sb * SUPER + g * GROUP;
       if constexpr (planes == 1) group_add<mb>(x, Kp, q + g * 256, sc + g * LANES, 1, A);
       else group_add8<mb>(x, Kp, q + g * 512, sc + g * LANES, A);
@@ -287,15 +289,15 @@ inline void rows_out(int64_t mb, Args... args) {
   }
 }
 
-// Blocks b0 .. b1 - 1 (16 outputs each) of y [M, N] for the quantized rows: one thread's share.
-inline void blocks(int64_t planes, const int8_t* xq, int64_t M, int64_t SB, const float* xs, const int32_t* xsum,
+// Blocks b0 .. b1 - 1 (16 outputs each) of y [M, N] for the quantized rows of K inputs: one thread's share.
+inline void blocks(int64_t planes, const int8_t* xq, int64_t M, int64_t K, const float* xs, const int32_t* xsum,
                    const uint8_t* wq, const uint8_t* wsm, const float* wdd, int64_t N, const float* bias, float* y,
                    int64_t b0, int64_t b1) {
   for (int64_t nb = b0; nb < b1; ++nb)
     for (int64_t m0 = 0; m0 < M; m0 += MBLOCK) {
       const int64_t mb = std::min(MBLOCK, M - m0);
-      if (planes == 2) rows_out<2>(mb, xq, SB, xs, xsum, wq, wsm, wdd, nb, N, m0, bias, y);
-      else rows_out<1>(mb, xq, SB, xs, xsum, wq, wsm, wdd, nb, N, m0, bias, y);
+      if (planes == 2) rows_out<2>(mb, xq, K, xs, xsum, wq, wsm, wdd, nb, N, m0, bias, y);
+      else rows_out<1>(mb, xq, K, xs, xsum, wq, wsm, wdd, nb, N, m0, bias, y);
     }
 }
 

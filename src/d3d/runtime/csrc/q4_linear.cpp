@@ -27,7 +27,7 @@ at::Tensor d3d::q4_linear(const at::Tensor& x_, const at::Tensor& q, const at::T
   at::Tensor y = at::empty({M, N}, x.options());
   const float* bp = bias_.has_value() ? bias_->data_ptr<float>() : nullptr;
   at::parallel_for(0, NB, 4, [&](int64_t b0, int64_t b1) {
-    blocks(planes, xq.data_ptr<int8_t>(), M, SB, xs.data_ptr<float>(), xsum.data_ptr<int32_t>(), q.data_ptr<uint8_t>(),
+    blocks(planes, xq.data_ptr<int8_t>(), M, K, xs.data_ptr<float>(), xsum.data_ptr<int32_t>(), q.data_ptr<uint8_t>(),
            scales.data_ptr<uint8_t>(), factors.data_ptr<float>(), N, bp, y.data_ptr<float>(), b0, b1);
   });
   auto out = x_.sizes().vec();
