@@ -88,10 +88,10 @@ void q4_products() {
   namespace q4 = d3d::q4;
   const int64_t N = 40, K = 300, SB = (K + q4::SUPER - 1) / q4::SUPER, NB = (N + q4::LANES - 1) / q4::LANES;
   std::vector<float> bias = randoms(N);
-  for (int64_t planes : {1, 2}) {
-    std::vector<uint8_t> wq(NB * SB * planes * q4::PLANE), wsm(NB * SB * q4::SCALES);
+  for (int64_t bits : {4, 8}) {
+    std::vector<uint8_t> wq(NB * SB * (bits / 4) * q4::NIBBLES), wsm(NB * SB * q4::SCALES);
     std::vector<float> wdd(NB * SB * q4::FACTORS);
-    for (uint8_t& b : wq) b = planes == 1 ? uint8_t(int(next(128.f)) + 128) : uint8_t(int(next(127.f)) + 127);  // 8 bits: q <= 254
+    for (uint8_t& b : wq) b = bits == 4 ? uint8_t(int(next(128.f)) + 128) : uint8_t(int(next(127.f)) + 127);  // 8 bits: q <= 254
     for (uint8_t& b : wsm) b = uint8_t(int(next(32.f)) + 32);
     for (float& f : wdd) f = next(0.01f) + 0.011f;
     for (int64_t M : {1, 3, 4, 9}) {
@@ -100,10 +100,10 @@ void q4_products() {
       std::vector<int32_t> xsum(M * SB * q4::GROUPS);
       for (int64_t m = 0; m < M; ++m)
         q4::quantize_row(&x[m * K], K, &q[m * SB * q4::SUPER], &xs[m * SB], &xsum[m * SB * q4::GROUPS]);
-      q4::blocks(planes, q.data(), M, K, xs.data(), xsum.data(), wq.data(), wsm.data(), wdd.data(), N, bias.data(),
+      q4::blocks(bits, q.data(), M, K, xs.data(), xsum.data(), wq.data(), wsm.data(), wdd.data(), N, bias.data(),
                  y.data(), 0, NB);
       char name[64];
-      std::snprintf(name, sizeof name, "int4 %lld planes %lldx%lldx%lld", static_cast<long long>(planes),
+      std::snprintf(name, sizeof name, "int4 %lld bits %lldx%lldx%lld", static_cast<long long>(bits),
                     static_cast<long long>(M), static_cast<long long>(K), static_cast<long long>(N));
       print(name, y);
       print((std::string(name) + " quantized").c_str(), q);

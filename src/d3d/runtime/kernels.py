@@ -5,7 +5,7 @@
   [N/16, K/4, 16, 4] (AVX512-VNNI `vpdpbusd`: 16 outputs per instruction; AVX2 `vpmaddubsw`; NEON `sdot`;
   or plain loops): the integer sums are exact, so every path gives the same numbers.
 - torch.ops.d3d.q4_linear(x, q, scales, factors, shape, bias) (`--quantize int4`): 4-bit weights (or 8-bit
-  in two planes of nibbles) with GGUF Q4_K's scales, per 32 (6-bit sc, m) and per 256 (fp32 d, dmin), and
+  for the tensors that need them) with GGUF Q4_K's scales, per 32 (6-bit sc, m) and per 256 (fp32 d, dmin), and
   activations quantized per 256 (csrc/q4_kernel.h); integer sums per super-block, so every path agrees.
 - torch.ops.d3d.fp32_linear(x, packed, bias): fp32 products, each sum over k in order by fused
   multiply-adds, on weights packed [N/64, K, 64] (pack_fp32).
@@ -179,7 +179,7 @@ Q4_SUPER, Q4_GROUP = 256, 32  # csrc/q4_kernel.h: super-blocks of 256 along k, g
 def pack_q4_parts(q: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor,
                   bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Weights w[n, k] = d[n, k // 256] * sc[n, k // 32] * q[n, k] - dmin[n, k // 256] * m[n, k // 32] in
-    q4_linear's layout (csrc/q4_kernel.h): (q planes u8 [N/16, SB, planes * 2048], sc and m u8 [N/16, SB, 2, 8, 16],
+    q4_linear's layout (csrc/q4_kernel.h): (q u8 [N/16, SB, bits * 256], sc and m u8 [N/16, SB, 2, 8, 16],
     d and dmin fp32 [N/16, SB, 2, 16], shape int64 [N, K]). q [N, K] holds 0..15 (bits 4) or 0..254 (bits 8),
     k padded with zeros to whole super-blocks and n to whole blocks of 16."""
     N, K = q.shape
@@ -235,8 +235,7 @@ def dequantize_q4(q: torch.Tensor, scales: torch.Tensor, factors: torch.Tensor, 
     """The fp32 weight [N, K] that q4_linear's packed tensors stand for (for tests and quality checks)."""
     N, K = (int(v) for v in shape)
     NB, SB, width = q.shape
-    planes = width // (Q4_SUPER * LANES // 2)
-    if planes == 1:
+    if width == Q4_SUPER * LANES // 2:  # 4 bits
         v = q.view(NB, SB, 32, LANES, 4)
         vals = torch.stack([v & 15, v >> 4], 3).permute(0, 4, 1, 2, 3, 5)  # (nb, l, sb, pair, half, j)
     else:

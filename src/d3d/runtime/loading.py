@@ -64,16 +64,13 @@ def load_target(target: str | None = None, device: str = "cpu", max_seq_len: int
         raise D3DError("--compile supports the fp32 CPU runtime only (drop --quantize / --device)")
     if quantize is not None and device != "cpu":
         raise D3DError(f"--quantize {quantize} runs on the CPU; use --device cpu")
-    if quantize == "int4" and (gguf := target_gguf(target)) is not None:
-        model_dir = gguf_model_folder(*gguf)
-        if read_hf_config(model_dir).get("model_type") not in LLAMA_FAMILY:
-            raise D3DError(f"--quantize needs the native runtime; model type "
-                           f"{read_hf_config(model_dir).get('model_type')!r} has none")
-        return load_gguf_int4(gguf[0], model_dir, max_seq_len), load_tokenizer(model_dir), model_dir
-    model_dir = resolve_target(target)
+    gguf = target_gguf(target) if quantize == "int4" else None  # loaded as it is, never in fp32
+    model_dir = gguf_model_folder(*gguf) if gguf else resolve_target(target)
     cfg = read_hf_config(model_dir)
     if quantize is not None and cfg.get("model_type") not in LLAMA_FAMILY:
         raise D3DError(f"--quantize needs the native runtime; model type {cfg.get('model_type')!r} has none")
+    if gguf:
+        return load_gguf_int4(gguf[0], model_dir, max_seq_len), load_tokenizer(model_dir), model_dir
     if cfg.get("model_type") in LLAMA_FAMILY:
         model = load_runtime(model_dir, device, max_seq_len)
     else:

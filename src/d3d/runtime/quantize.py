@@ -69,9 +69,9 @@ class Int8Linear(nn.Module):
 
 class Int4Linear(nn.Module):
     """nn.Linear replacement for `--quantize int4`: weights in GGUF Q4_K's layout (csrc/q4_kernel.h), 4 bits
-    (or 8, `bits`, for tensors that need them: the LM head, a GGUF's Q6_K / Q8_0 tensors), activations
-    quantized per 256 inputs by torch.ops.d3d.q4_linear. Built from an fp32 nn.Linear (quantize_q4) or from
-    packed parts (d3d.runtime.gguf_load.Int4Linear from a GGUF file, tensor by tensor)."""
+    (or 8 for tensors that need them: the LM head, a GGUF's Q6_K / Q8_0 tensors), activations quantized per
+    256 inputs by torch.ops.d3d.q4_linear. Built from an fp32 nn.Linear (from_linear) or from packed parts
+    (d3d.runtime.gguf_load, a GGUF file tensor by tensor)."""
 
     def __init__(self, parts: tuple[torch.Tensor, ...], bias: torch.Tensor | None = None,
                  weight: torch.Tensor | None = None):
@@ -81,7 +81,6 @@ class Int4Linear(nn.Module):
         for name, t in (("q4", q4), ("scales", scales), ("factors", factors), ("shape", shape), ("bias", bias)):
             self.register_buffer(name, t, persistent=False)
         self.out_features, self.in_features = (int(v) for v in shape)
-        self.bits = 4 if q4.shape[-1] == 2048 else 8
         self.weight = weight
 
     @classmethod
@@ -121,15 +120,8 @@ def quantize_int8(model: nn.Module, tokenizer, batch_invariant: bool = True) -> 
     if next(model.parameters()).device.type != "cpu":
         raise D3DError("--quantize int8 runs on the CPU; use --device cpu")
     peaks = input_peaks(model, tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False))
-    for name, module in list(model.named_modules()):
-        for child, layer in list(module.named_children()):
-            if isinstance(layer, nn.Linear):
-                full = f"{name}.{child}" if name else child
-                setattr(module, child, Int8Linear(layer, keep_weight=full in KEEP_WEIGHT, input_peak=peaks.get(full)))
-    if batch_invariant and hasattr(model, "pack_cpu_layers"):
-        model.pack_cpu_layers()
-    model.quantized = "int8"
-    return model
+    return replace_linears(model, "int8", batch_invariant, lambda full, layer: Int8Linear(
+        layer, keep_weight=full in KEEP_WEIGHT, input_peak=peaks.get(full)))
 
 
 HEAD_BITS = 8  # the LM head in 8 bits, as GGUF Q4_K_M files keep it in Q6_K: its errors reach every logit
@@ -142,15 +134,20 @@ def quantize_int4(model: nn.Module, batch_invariant: bool = True) -> nn.Module:
         return model
     if next(model.parameters()).device.type != "cpu":
         raise D3DError("--quantize int4 runs on the CPU; use --device cpu")
+    return replace_linears(model, "int4", batch_invariant, lambda full, layer: Int4Linear.from_linear(
+        layer, HEAD_BITS if full == "output" else 4, keep_weight=full in KEEP_WEIGHT))
+
+
+def replace_linears(model: nn.Module, mode: str, batch_invariant: bool, make) -> nn.Module:
+    """Every nn.Linear of `model` replaced, in place, by make(its full name, it); the C++ layers repacked
+    (batch_invariant, as in quantize_int8) and `model.quantized` set to `mode`; returns `model`."""
     for name, module in list(model.named_modules()):
         for child, layer in list(module.named_children()):
             if isinstance(layer, nn.Linear):
-                full = f"{name}.{child}" if name else child
-                bits = HEAD_BITS if full == "output" else 4
-                setattr(module, child, Int4Linear.from_linear(layer, bits, keep_weight=full in KEEP_WEIGHT))
+                setattr(module, child, make(f"{name}.{child}" if name else child, layer))
     if batch_invariant and hasattr(model, "pack_cpu_layers"):
         model.pack_cpu_layers()
-    model.quantized = "int4"
+    model.quantized = mode
     return model
 
 

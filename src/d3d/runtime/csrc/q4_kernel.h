@@ -2,8 +2,7 @@
 // scales, and activations quantized in blocks of 256 as llama.cpp's Q8_K does.
 //
 // Weights. Along k, each output row is cut into super-blocks of 256 (zero-padded), each into 8 groups of 32;
-// a weight is w = d * sc * q - dmin * m, with q in 0..15 (nibbles) or 0..254 (bytes; "planes" 2: twice the
-// nibbles' bytes), sc and m in 0..63 per group, d and dmin fp32 per super-block. That is exactly Q4_K
+// a weight is w = d * sc * q - dmin * m, with q in 0..15 (nibbles; `bits` 4) or 0..254 (bytes; `bits` 8), sc and m in 0..63 per group, d and dmin fp32 per super-block. That is exactly Q4_K
 // (whose tensors load bit for bit, d3d.runtime.gguf_load), and 8 bits over the same scales hold Q5_0 / Q6_K /
 // Q8_0 tensors closely. Packed per 16 outputs and super-block (pack_q4): per group, 4 bits: the nibbles of steps
 // 2p (low) and 2p + 1 (high) of 4 k each, [4 pairs][16 outputs][4 k] bytes; 8 bits: [8 steps][16 outputs][4 k]
@@ -33,7 +32,7 @@
 namespace d3d::q4 {
 
 constexpr int64_t LANES = 16, SUPER = 256, GROUP = 32, GROUPS = SUPER / GROUP;
-constexpr int64_t PLANE = SUPER * LANES / 2;          // nibble bytes of one plane per 16 outputs and super-block
+constexpr int64_t NIBBLES = SUPER * LANES / 2;        // weight bytes per 16 outputs and super-block at 4 bits
 constexpr int64_t SCALES = 2 * GROUPS * LANES;        // sc and m bytes per 16 outputs and super-block
 constexpr int64_t FACTORS = 2 * LANES;                // d and dmin per 16 outputs and super-block
 constexpr int64_t MBLOCK = 4;
@@ -247,7 +246,7 @@ inline void super_block_end(const int32_t* gs, float s, const uint8_t* m, const 
 
 // Outputs n0 = 16 * nb .. n0 + 15 (those below N) of rows m0 .. m0 + mb - 1 (see the top of this file).
 // Groups past k = K (padding: zero activations, zero weights) are skipped: they add nothing.
-template <int64_t planes, int64_t mb>
+template <int64_t bits, int64_t mb>
 inline void block_out(const int8_t* xq, int64_t K, const float* xs, const int32_t* xsum,
                       const uint8_t* wq, const uint8_t* wsm, const float* wdd, int64_t nb, int64_t N, int64_t m0,
                       const float* bias, float* y) {
@@ -255,7 +254,7 @@ inline void block_out(const int8_t* xq, int64_t K, const float* xs, const int32_
   const int64_t n0 = nb * LANES, nl = std::min(LANES, N - n0);
   float acc[mb][LANES] = {};
   for (int64_t sb = 0; sb < SB; ++sb) {
-    const uint8_t* q = wq + (nb * SB + sb) * planes * PLANE;
+    const uint8_t* q = wq + (nb * SB + sb) * (bits / 4) * NIBBLES;
     const uint8_t* sc = wsm + (nb * SB + sb) * SCALES;
     const uint8_t* m = sc + GROUPS * LANES;
     const float* d = wdd + (nb * SB + sb) * FACTORS;
@@ -263,10 +262,10 @@ inline void block_out(const int8_t* xq, int64_t K, const float* xs, const int32_
     alignas(32) int32_t A[mb][LANES] = {};
     for (int64_t g = 0; g < (sb + 1 < SB ? GROUPS : last); ++g) {
       const int8_t* x = xq + m0 * Kp + sb * SUPER + g * GROUP;
-      if constexpr (planes == 1) group_add<mb>(x, Kp, q + g * 256, sc + g * LANES, 1, A);
+      if constexpr (bits == 4) group_add<mb>(x, Kp, q + g * 256, sc + g * LANES, 1, A);
       else group_add8<mb>(x, Kp, q + g * 512, sc + g * LANES, A);
     }
-    if constexpr (planes == 2)  // the 127 that group_add8 took out of every q: 127 * sum_g sc * sum(x)
+    if constexpr (bits == 8)  // the 127 that group_add8 took out of every q: 127 * sum_g sc * sum(x)
       for (int64_t i = 0; i < mb; ++i) {
         alignas(32) int32_t C[LANES];
         group_weighted(sc, xsum + (m0 + i) * SB * GROUPS + sb * GROUPS, C);
@@ -279,25 +278,25 @@ inline void block_out(const int8_t* xq, int64_t K, const float* xs, const int32_
     for (int64_t l = 0; l < nl; ++l) y[(m0 + i) * N + n0 + l] = bias ? acc[i][l] + bias[n0 + l] : acc[i][l];
 }
 
-template <int64_t planes, typename... Args>
+template <int64_t bits, typename... Args>
 inline void rows_out(int64_t mb, Args... args) {
   switch (mb) {
-    case 1: return block_out<planes, 1>(args...);
-    case 2: return block_out<planes, 2>(args...);
-    case 3: return block_out<planes, 3>(args...);
-    default: return block_out<planes, 4>(args...);
+    case 1: return block_out<bits, 1>(args...);
+    case 2: return block_out<bits, 2>(args...);
+    case 3: return block_out<bits, 3>(args...);
+    default: return block_out<bits, 4>(args...);
   }
 }
 
 // Blocks b0 .. b1 - 1 (16 outputs each) of y [M, N] for the quantized rows of K inputs: one thread's share.
-inline void blocks(int64_t planes, const int8_t* xq, int64_t M, int64_t K, const float* xs, const int32_t* xsum,
+inline void blocks(int64_t bits, const int8_t* xq, int64_t M, int64_t K, const float* xs, const int32_t* xsum,
                    const uint8_t* wq, const uint8_t* wsm, const float* wdd, int64_t N, const float* bias, float* y,
                    int64_t b0, int64_t b1) {
   for (int64_t nb = b0; nb < b1; ++nb)
     for (int64_t m0 = 0; m0 < M; m0 += MBLOCK) {
       const int64_t mb = std::min(MBLOCK, M - m0);
-      if (planes == 2) rows_out<2>(mb, xq, K, xs, xsum, wq, wsm, wdd, nb, N, m0, bias, y);
-      else rows_out<1>(mb, xq, K, xs, xsum, wq, wsm, wdd, nb, N, m0, bias, y);
+      if (bits == 8) rows_out<8>(mb, xq, K, xs, xsum, wq, wsm, wdd, nb, N, m0, bias, y);
+      else rows_out<4>(mb, xq, K, xs, xsum, wq, wsm, wdd, nb, N, m0, bias, y);
     }
 }
 

@@ -12,8 +12,8 @@ at::Tensor d3d::q4_linear(const at::Tensor& x_, const at::Tensor& q, const at::T
               scales.is_contiguous() && factors.is_contiguous() && factors.scalar_type() == at::kFloat,
               "q4_linear takes float activations and weights packed by pack_q4");
   const int64_t N = shape.data_ptr<int64_t>()[0], K = shape.data_ptr<int64_t>()[1];
-  const int64_t NB = q.size(0), SB = q.size(1), planes = q.size(2) / PLANE;
-  TORCH_CHECK(x_.size(-1) == K && (K + SUPER - 1) / SUPER == SB && N <= NB * LANES && (planes == 1 || planes == 2) &&
+  const int64_t NB = q.size(0), SB = q.size(1), bits = 4 * q.size(2) / NIBBLES;
+  TORCH_CHECK(x_.size(-1) == K && (K + SUPER - 1) / SUPER == SB && N <= NB * LANES && (bits == 4 || bits == 8) &&
               scales.numel() == NB * SB * SCALES && factors.numel() == NB * SB * FACTORS,
               "q4_linear: shapes do not match the packed weight");
   at::Tensor x = x_.reshape({-1, K}).contiguous();
@@ -27,7 +27,7 @@ at::Tensor d3d::q4_linear(const at::Tensor& x_, const at::Tensor& q, const at::T
   at::Tensor y = at::empty({M, N}, x.options());
   const float* bp = bias_.has_value() ? bias_->data_ptr<float>() : nullptr;
   at::parallel_for(0, NB, 4, [&](int64_t b0, int64_t b1) {
-    blocks(planes, xq.data_ptr<int8_t>(), M, K, xs.data_ptr<float>(), xsum.data_ptr<int32_t>(), q.data_ptr<uint8_t>(),
+    blocks(bits, xq.data_ptr<int8_t>(), M, K, xs.data_ptr<float>(), xsum.data_ptr<int32_t>(), q.data_ptr<uint8_t>(),
            scales.data_ptr<uint8_t>(), factors.data_ptr<float>(), N, bp, y.data_ptr<float>(), b0, b1);
   });
   auto out = x_.sizes().vec();
