@@ -203,3 +203,33 @@ def test_a_forward_takes_short_prompts_first_and_one_chunk_of_prompt_tokens():
         assert scheduler._fit([long_chunk, step]) == [step, long_chunk]  # alone, a prompt chunk always goes
     finally:
         scheduler.stop()
+
+
+def test_the_load_counts_decoding_rounds_not_prompt_chunks():
+    """A prompt chunk's rows are work the batch does whatever the others draft: it counts as no width and no
+    gain in the load the other generations weigh their drafts against; a decoding step counts as itself."""
+    scheduler = Scheduler(tiny_model(), 2, max_len=64, prefill_chunk=16)
+    try:
+        a, b = scheduler.acquire(), scheduler.acquire()
+        a.setup_cache()
+        a(torch.tensor([[1, 2, 3, 1, 2]]), last_only=True)
+        assert scheduler.load(b.slot) == (0, 0.0)
+        a(torch.tensor([[3]]), last_only=True)
+        assert scheduler.load(b.slot) == (1, 1.0)
+        assert scheduler.load(a.slot) == (0, 0.0)  # b has not joined
+    finally:
+        scheduler.stop()
+
+
+def test_probes_in_a_batch_take_a_bounded_share_of_its_time():
+    """Alone a generation probes every PROBE_ROUNDS rounds; in a batch, where its proposing delays everyone's
+    forward, a probe that costs much (a drafter's pass) comes rarely enough to cost at most PROBE_SHARE."""
+    from d3d.decoding.budget import PROBE_ROUNDS, PROBE_SHARE, probe_interval
+    from d3d.decoding.treecost import WidthCost
+
+    curve = {1: 0.020, 8: 0.034, 64: 0.150}
+    assert probe_interval(WidthCost(curve, load=lambda: (0, 0.0)), 0.140) == PROBE_ROUNDS
+    loaded = WidthCost(curve, load=lambda: (7, 7.0))  # seven others, one token each: a forward of 8 costs 0.034 s
+    assert probe_interval(loaded, 0.001) == PROBE_ROUNDS  # a cheap probe: as often as alone
+    every = probe_interval(loaded, 0.140)  # a drafter pass dearer than the forward
+    assert 8 * 0.140 / every <= PROBE_SHARE * 0.034 < 8 * 0.140 / (every - 1)

@@ -451,3 +451,26 @@ def test_bench_runs_each_method_once_per_named_drafter_and_datastore(tmp_path):
     assert used["lookup-tree@s"] == used["d3d-tree@a@s"] == used["d3d-tree@b@s"] == store
     assert used["lookup-tree@off"] is None and used["d3d-tree@a@off"] is None
     assert report["settings"]["datastores"] == {"s": store, "off": "none"}
+
+
+@pytest.mark.slow
+def test_batched_bench_end_to_end(tmp_path):
+    """d3d bench --clients: each method at 1 and 2 concurrent generations on one batched target, every answer
+    token for token its solo answer, the figures `d3d loadtest --throughput` reports, a plot."""
+    out = tmp_path / "batched.json"
+    main(["bench", "--clients", "2,1", "--benchmarks", "gsm8k,humaneval", "--limit", "2", "--methods", "lookup-tree",
+          "--max-new-tokens", "12", "--threads", "1", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["clients"] == [1, 2] and report["requests"] == 4 and report["learn"] is False
+    assert set(report["machine"]) >= {"cpu", "kernels", "threads"} and report["runtime"]["kernels"]
+    assert set(report["servers"]) == {"ar", "lookup-tree"}
+    for method, result in report["servers"].items():
+        one, two = result["levels"]
+        assert (one["clients"], two["clients"]) == (1, 2)
+        for level in (one, two):
+            assert level["identical_to_solo"] == 4 and 0 < level["completion_tokens"] <= 4 * 12
+            assert level["aggregate_tokens_per_s"] > 0 and level["ttft_p50_s"] <= level["ttft_p95_s"]
+            assert level["forwards"] > 0 and "x_ar" in level
+        assert one["x_one_client"] == 1.0
+        assert two["completion_tokens"] == one["completion_tokens"]
+    assert (tmp_path / "batched.png").stat().st_size > 0

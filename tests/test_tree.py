@@ -156,7 +156,7 @@ def test_the_drafter_runs_while_it_pays_and_is_probed_when_it_does_not():
         tree.drafted = True
         tree.accept(drafted, [])  # it proposed nothing that was accepted
     assert not tree.drafting_pays()
-    for _ in range(d3d.methods.tree.PROBE_ROUNDS):
+    for _ in range(d3d.decoding.budget.PROBE_ROUNDS):
         tree.drafted = False
         tree.accept(drafted, [])
     assert tree.drafting_pays()  # probed again
@@ -165,7 +165,7 @@ def test_the_drafter_runs_while_it_pays_and_is_probed_when_it_does_not():
         tree.accept(drafted, [1])  # now its token is accepted every round
     assert tree.drafting_pays()
     copied = TokenTree([0, 5, 6, 7, 8], [-1, 0, 1, 2, 3], [0, 1, 2, 3, 4], [{"root"}] + [{"ngram"}] * 4, [[]] * 5)
-    for _ in range(d3d.methods.tree.PROBE_ROUNDS - 1):
+    for _ in range(d3d.decoding.budget.PROBE_ROUNDS - 1):
         tree.drafted = False
         tree.accept(copied, [1, 2, 3, 4])  # n-gram copies make tokens 5x cheaper ...
     assert not tree.drafting_pays()  # ... so the drafter's one token a round is no longer worth its cost

@@ -11,8 +11,8 @@ Long prompts are fed in chunks of at most `prefill_chunk` tokens, one chunk per 
 generations keep decoding beside a prompt being read; a check between chunks (cancellation, deadline) stops a
 prompt within one chunk.
 
-Load-aware speculation: each generation's last forward width and the tokens it committed with it are kept
-(`load`), so a method choosing how many tokens to verify (the tree methods' WidthCost) can weigh its round
+Load-aware speculation: each generation's last decoding forward width and the tokens it committed with it are
+kept (`load`; a prompt chunk counts as none: its rows are work the batch does whatever the others draft), so a method choosing how many tokens to verify (the tree methods' WidthCost) can weigh its round
 against the whole batch: the width that maximises the batch's committed tokens per second of the batch's
 forward, given what the other generations feed. At one generation that is the single-stream choice; under
 load extra width costs what it adds to everyone's forward, and a draft that does not pay shrinks to nothing.
@@ -107,8 +107,12 @@ class SlotModel:
         if mask is not None:
             mask = mask.reshape(T, start + T).to(torch.bool)
         logits = self.scheduler.submit(Segment(self.slot, tokens, start, positions, mask, min(keep, T)))
-        self.cache_len, self.start, self.width = start + T, start, T
-        self.gain = min(T, keep) if keep else T  # a prompt commits one token; a verification, what rollback keeps
+        self.cache_len, self.start = start + T, start
+        prompt = keep and T > 1
+        # the load others weigh a round against: decoding rounds only. A prompt chunk's rows are work the batch
+        # does whatever the others draft (its cost is not theirs to share), so it counts as no width and no gain
+        self.width = 0 if prompt else T
+        self.gain = 0 if prompt else (min(T, keep) if keep else T)  # a verification: what rollback keeps
         return logits
 
 

@@ -107,6 +107,10 @@ def _bench(sub) -> None:
                    help="first measure one target forward vs its width (1-64 tokens) and record it")
     p.add_argument("--repeat", type=int, default=1, metavar="N",
                    help="make the whole interleaved run N times and report each figure's median over the runs")
+    p.add_argument("--clients", default=None, metavar="1,2,4,8",
+                   help="batched mode: the methods at each number of concurrent generations on one batched target "
+                        "(as d3d serve --max-batch runs them; nothing learned from earlier answers): aggregate and "
+                        "per-request tokens/s, time to first token; each prompt's first turn, benchmarks in turn")
     p.add_argument("--quick", action="store_true",
                    help=f"smoke run: {QUICK_LIMIT} prompt per benchmark, {QUICK_NEW_TOKENS} new tokens "
                         f"(unless --limit / --max-new-tokens say otherwise)")

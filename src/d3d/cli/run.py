@@ -115,6 +115,14 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     methods = parse_methods(args.methods)
     methods = ["ar"] + [m for m in dict.fromkeys(methods) if m != "ar"]
+    levels = None
+    if args.clients is not None:
+        from ..bench.batched import parse_clients
+
+        levels = parse_clients(args.clients)
+        refused = [m for m in methods if not get(m).batches]
+        if refused:
+            raise D3DError(f"--clients: method {refused[0]} does not run batched")
     if args.quick:
         args.limit = QUICK_LIMIT if args.limit is None else args.limit
         args.max_new_tokens = QUICK_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
@@ -141,6 +149,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     model, tok, model_dir = open_target(args.target, args.device, args.quantize, args.compile)
     runs = _bench_runs(methods, named, stores, args, model_dir)
+    if levels is not None:
+        return _bench_batched(args, levels, model, tok, model_dir, runs, options, params, prompts, out)
     runners = {}
     for name, (m, path, extra) in runs.items():
         with loading(f"method {name}"):
@@ -175,6 +185,39 @@ def cmd_bench(args: argparse.Namespace) -> None:
     print(format_table(report["results"]))
     resumed = f" ({report['resumed']} generations replayed from an interrupted run)" if report["resumed"] else ""
     print(f"wrote {out}{resumed}")
+
+
+def _bench_batched(args, levels, model, tok, model_dir, runs, options, params, prompts, out: Path) -> None:
+    """d3d bench --clients: the methods at each number of concurrent generations (d3d.bench.batched)."""
+    from ..atomic import atomic_write_json
+    from ..bench.batched import format_levels, run_batched
+    from ..bench.harness import machine_info
+    from ..corpus.prompts import MultiTurn, encode_prompt
+    from ..decoding.engine import validate_request
+    from ..methods.catalog import make_runner
+    from ..server.loadtest_throughput import throughput_plot
+
+    firsts = [[i.turns[0] if isinstance(i, MultiTurn) else i for i in items] for items in prompts.values()]
+    texts = [f[j] for j in range(max(map(len, firsts))) for f in firsts if j < len(f)]  # benchmarks in turn
+    ids = [encode_prompt(tok, t, args.raw) for t in texts]
+    for i in ids:
+        validate_request(model, i, args.max_new_tokens, args.block_size)
+
+    def builder(m, path, extra):
+        return lambda slot: make_runner(m, slot, tok, model_dir, drafter=path, block_size=args.block_size,
+                                        quantize_drafter=args.quantize_drafter, **(options | extra | {"learn": False}))
+
+    builders = {name: builder(*run) for name, run in runs.items()}
+    result = run_batched(model, builders, ids, levels, params, args.max_new_tokens, repeat=args.repeat)
+    machine = machine_info(args.device, args.quantize)
+    report = {"machine": machine, "command": "d3d " + shlex.join(args.argv), "target": args.target,
+              "max_tokens": args.max_new_tokens, "threads": num_threads(), "clients": levels, "requests": len(ids),
+              "benchmarks": list(prompts), "learn": False, "runtime": {k: machine.get(k) for k in ("cpu", "kernels")},
+              "servers": result}
+    atomic_write_json(out, report)
+    throughput_plot(report, out.with_suffix(".png"))
+    print(format_levels(result))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
 def cmd_report(args: argparse.Namespace) -> None:

@@ -11,12 +11,27 @@ rounds, so sampling stays exact.
 """
 from __future__ import annotations
 
+import math
 import time
 
 PRIOR = (1.0, 2.0)   # per-position acceptance before any round: 1 accepted of 2 tried
 DECAY = 0.95
 PROBE_ROUNDS = 8     # a generation that stopped drafting drafts again this often, to see whether it pays ...
 PROBE_LENGTH = 4     # ... this many tokens
+PROBE_SHARE = 0.05   # in a batch, probes take at most about this share of the batch's time (probe_interval)
+
+
+def probe_interval(cost, probe_s: float) -> int:
+    """Rounds between probes (a round that drafts although drafting did not pay, to see whether it pays again)
+    for a generation whose probe costs `probe_s` seconds of proposing: alone PROBE_ROUNDS. In a batch every
+    generation's proposing delays the shared forward, so with L generations each probing every P rounds a
+    forward waits L * probe_s / P seconds for probes on average: P is raised until that is at most PROBE_SHARE
+    of the forward (L counted as one plus the others' width, an upper bound). Without it a batch of 8
+    generations of d3d-tree ran about one drafter pass per forward, each costing more than the forward."""
+    width = cost.others()[0]
+    if width == 0:
+        return PROBE_ROUNDS
+    return max(PROBE_ROUNDS, math.ceil((1 + width) * probe_s / (PROBE_SHARE * cost(width + 1))))
 
 
 class DraftLength:
@@ -38,7 +53,7 @@ class DraftLength:
             rate = self.cost.rate(gain, j + 2, others, self.propose_s)  # the pending token and j + 1 drafts
             if rate > best_rate:
                 best, best_rate = j + 1, rate
-        if best == 0 and self.plain_rounds >= PROBE_ROUNDS:
+        if best == 0 and self.plain_rounds >= probe_interval(self.cost, self.propose_s):
             best = min(k, PROBE_LENGTH)
         self.plain_rounds = 0 if best else self.plain_rounds + 1
         return best

@@ -37,6 +37,7 @@ import torch
 
 from ..corpus.datastore import Continuation, Datastore, load_datastore, shipped_datastore
 from ..corpus.learned import LEARN_TOKENS, LearnedStore
+from ..decoding.budget import probe_interval
 from ..decoding.proposer import Proposer
 from ..decoding.tokentree import TokenTree, TreeDraft
 from ..decoding.tree import generate_tree
@@ -56,7 +57,6 @@ RATE_DECAY = 0.95       # weight of the past in the learned acceptance rates, pe
 ALT_TAIL_DISCOUNT = 0.5  # drafter tokens after an alternative were drafted for the other branch
 GAIN_SMOOTHING = 0.2     # weight of the latest round in the drafter's moving-average gain
 DRAFTER_SOURCES = {"d3d", "alt"}  # a path node with no other source is a token only the drafter proposed
-PROBE_ROUNDS = 8         # a drafter that does not pay still runs once every this many rounds
 
 
 
@@ -127,24 +127,25 @@ class TreeProposer(Proposer):
         only it proposed on recent accepted paths (a moving average per round) are worth its cost, a token
         being worth what one costs now (a moving average of the modelled round cost per emitted token: the
         better the other proposers do, the less a token the drafter adds is worth); and every
-        PROBE_ROUNDS-th round anyway, to see whether it pays again. The choice depends on verified text and
-        tree sizes only, so sampling stays exact."""
+        probe_interval-th round anyway (d3d.decoding.budget: PROBE_ROUNDS alone, rarer in a batch), to see
+        whether it pays again. The choice depends on verified text and tree sizes only, so sampling stays
+        exact."""
         if self.cost is None or self.drafter_gain * self.token_time >= self.cost.overhead:
             return True
-        return self.idle_rounds >= PROBE_ROUNDS
+        return self.idle_rounds >= probe_interval(self.cost, self.cost.overhead)
 
     def speculation_pays(self) -> bool:
         """In a batch (the cost model's `load`, d3d.scheduler) with other generations in it: whether building
         and verifying a tree this round gives the batch more tokens per second than feeding the pending token
         alone, from this generation's recent trees (tokens committed, width, seconds spent proposing: in a
         batch the generations' Python work runs one after the other, so it delays every forward) and the
-        others' last forward; and every PROBE_ROUNDS-th round anyway. Alone it always builds its tree, as
+        others' last forward; and every probe_interval-th round anyway. Alone it always builds its tree, as
         a single stream does. The choice is made before the round from earlier rounds only, so sampling
         stays exact (the tree rule is exact for any candidate set fixed before the round)."""
         if self.cost is None or self.cost.load is None or self.spec_tokens is None:
             return True
         others = self.cost.others()
-        if others[0] == 0 or self.plain_rounds >= PROBE_ROUNDS:
+        if others[0] == 0 or self.plain_rounds >= probe_interval(self.cost, self.propose_s):
             return True
         # the tree's round pays its proposing seconds (the drafter's pass included), the plain step none:
         # the cost model's `overhead` (the drafter's pass) would charge the plain step too
