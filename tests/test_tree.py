@@ -331,3 +331,19 @@ def test_a_tree_cut_to_two_nodes_keeps_the_law(tiny):
     samples, rounds = draw(tree_run(tiny, proposer), params, 1200, 4)
     assert sum(n for length, n in rounds.items() if length > 1) > 100  # its one node really was accepted
     assert chi2_pvalue(samples, exact_law(tiny, [1, 2, 3, 1, 2], params, 4, EOS)) > 1e-3
+
+
+def test_in_a_batch_the_drafter_must_win_what_the_shared_forward_costs_a_token():
+    """Alone a token costs its round's forward over the round's tokens; in a batch the shared forward over all of
+    the batch's tokens, so a drafter pass (which delays every generation's forward) that pays alone stops."""
+    def proposer(load):
+        tree = TreeProposer(None, cost=WidthCost({1: 1.0, 2: 1.1, 16: 1.6}, overhead=0.4, load=load))
+        tree.reset([1])
+        drafted = TokenTree([0, 5, 6], [-1, 0, 1], [0, 1, 2], [{"root"}, {"d3d"}, {"d3d"}], [[], [], []])
+        for _ in range(20):
+            tree.drafted = True
+            tree.accept(drafted, [1])  # one token only the drafter proposed, every round
+        return tree
+
+    assert proposer(None).drafting_pays()  # its token is worth (cost(3) + 0.4) / 2 = 0.77 >= 0.4
+    assert not proposer(lambda: (7, 7.0)).drafting_pays()  # worth (cost(10) + 0.4) / 9 = 0.2 < 0.4

@@ -126,10 +126,11 @@ class TreeProposer(Proposer):
         """Whether to run the drafter this round. Without a cost model, always. Else when the tokens that
         only it proposed on recent accepted paths (a moving average per round) are worth its cost, a token
         being worth what one costs now (a moving average of the modelled round cost per emitted token: the
-        better the other proposers do, the less a token the drafter adds is worth); and every
-        probe_interval-th round anyway (d3d.decoding.budget: PROBE_ROUNDS alone, rarer in a batch), to see
-        whether it pays again. The choice depends on verified text and tree sizes only, so sampling stays
-        exact."""
+        better the other proposers do, the less a token the drafter adds is worth; in a batch, the shared
+        forward's cost over all of its tokens, so a drafter pass that delays every generation's forward must
+        win more than alone); and every probe_interval-th round anyway (d3d.decoding.budget: PROBE_ROUNDS
+        alone, rarer in a batch), to see whether it pays again. The choice depends on verified text, tree
+        sizes and the other generations' last forwards only, so sampling stays exact."""
         if self.cost is None or self.drafter_gain * self.token_time >= self.cost.overhead:
             return True
         return self.idle_rounds >= probe_interval(self.cost, self.cost.overhead)
@@ -179,8 +180,10 @@ class TreeProposer(Proposer):
                 for key in tree.keys[i] if tree.keys else ():
                     right, tried = self._counts(key)
                     self.rates[key] = [RATE_DECAY * right + (i in reached), RATE_DECAY * tried + 1]
-        if self.cost is not None:
-            spent = (self.cost(len(tree)) + (self.cost.overhead if drafted else 0.0)) / (len(path) + 1)
+        if self.cost is not None:  # in a batch a token costs the shared forward over all of its tokens
+            others = self.cost.others()
+            spent = (self.cost(others[0] + len(tree)) + (self.cost.overhead if drafted else 0.0)) / \
+                (len(path) + 1 + others[1])
             self.token_time += GAIN_SMOOTHING * (spent - self.token_time)
         if self.speculated:
             tokens, width = len(path) + 1, len(tree)
