@@ -195,14 +195,26 @@ def test_a_forward_takes_short_prompts_first_and_one_chunk_of_prompt_tokens():
 
     scheduler = Scheduler(tiny_model(), 4, max_len=64, prefill_chunk=16)
     try:
-        def work(slot, width, keep):
-            return Work(Segment(slot, torch.zeros(width, dtype=torch.long), 0, torch.arange(width), keep=keep))
+        def work(slot, width, keep, rest=0):
+            return Work(Segment(slot, torch.zeros(width, dtype=torch.long), 0, torch.arange(width), keep=keep), rest)
 
-        step, long_chunk, short, tree = work(0, 1, 0), work(1, 16, 1), work(2, 5, 1), work(3, 6, 0)
+        step, long_chunk, short, tree = work(0, 1, 0), work(1, 16, 1, 4000), work(2, 5, 1, 5), work(3, 6, 0)
         assert scheduler._fit([step, long_chunk, short, tree]) == [step, tree, short]  # the chunk waits
         assert scheduler._fit([long_chunk, step]) == [step, long_chunk]  # alone, a prompt chunk always goes
+        last_of_long, short_first = work(1, 8, 1, 8), work(2, 16, 1, 20)
+        assert scheduler._fit([short_first, last_of_long]) == [last_of_long]  # the fewest tokens left go first
+        assert scheduler._fit([long_chunk, work(2, 16, 1, 20)])[0].rest == 20  # equal widths: the shorter prompt
     finally:
         scheduler.stop()
+
+
+def test_a_prompt_is_cut_in_chunks_whose_last_takes_the_remainder():
+    from d3d.scheduler import prompt_chunks
+
+    assert prompt_chunks(35, 32) == [(0, 35)]
+    assert prompt_chunks(64, 32) == [(0, 32), (32, 64)]
+    assert prompt_chunks(40, 16) == [(0, 16), (16, 40)]
+    assert prompt_chunks(10, 16) == [(0, 10)]
 
 
 def test_the_load_counts_decoding_rounds_not_prompt_chunks():

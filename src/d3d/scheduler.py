@@ -28,13 +28,24 @@ import torch
 from .errors import D3DError
 from .runtime.batch import BatchedTarget, Segment
 
-PREFILL_SECONDS = 0.25  # a prompt chunk is at most about this much forward time (from the width cost curve)
+PREFILL_SECONDS = 0.25  # a prompt chunk adds at most about this much to a forward (from the width cost curve)
 STRAGGLER_S = 1.0       # a forward waits at most this long for a generation that has not handed in its next one
+
+
+def prompt_chunks(T: int, chunk: int) -> list[tuple[int, int]]:
+    """(start, end) of a T-token prompt's pieces: `chunk` tokens each, the last taking a remainder shorter than a
+    chunk too (a prompt of 35 tokens at chunks of 32 is one forward, not two, the second of 3 tokens: a forward
+    has a fixed cost, the weights' reading, that a 3-token chunk pays as much as a 32-token one)."""
+    starts = list(range(0, T, chunk))
+    if len(starts) > 1 and T % chunk:
+        starts.pop()
+    return [(a, starts[i + 1] if i + 1 < len(starts) else T) for i, a in enumerate(starts)]
 
 
 @dataclass
 class Work:
     segment: Segment
+    rest: int = 0  # a prompt chunk: the prompt's tokens still to feed, this chunk's included (0: a decoding round)
     done: threading.Event = field(default_factory=threading.Event)
     logits: torch.Tensor | None = None
     error: BaseException | None = None
@@ -87,18 +98,17 @@ class SlotModel:
         chunk = self.scheduler.prefill_chunk
         if mask is None and positions is None and T > chunk:  # a prompt: chunk by chunk, one per forward
             out = []
-            for a in range(0, T, chunk):
+            for a, b in prompt_chunks(T, chunk):
                 if self.check is not None:
                     self.check()
-                part = tokens[0, a:a + chunk]
-                last = a + chunk >= T
-                out.append(self._run(part, None, None, (keep if last else 1) if keep else 0))
+                last = b == T
+                out.append(self._run(tokens[0, a:b], None, None, (keep if last else 1) if keep else 0, rest=T - a))
             return (out[-1] if keep else torch.cat(out))[None]
         if positions is not None:
             positions = positions.reshape(T)
         return self._run(tokens[0], mask, positions, keep)[None]
 
-    def _run(self, tokens: torch.Tensor, mask, positions, keep: int) -> torch.Tensor:
+    def _run(self, tokens: torch.Tensor, mask, positions, keep: int, rest: int = 0) -> torch.Tensor:
         T, start = tokens.shape[0], self.cache_len
         if start + T > self.cache_size:
             raise D3DError(f"sequence of {start + T} tokens exceeds the KV cache ({self.cache_size})")
@@ -106,9 +116,10 @@ class SlotModel:
             positions = torch.arange(start, start + T, device=tokens.device)
         if mask is not None:
             mask = mask.reshape(T, start + T).to(torch.bool)
-        logits = self.scheduler.submit(Segment(self.slot, tokens, start, positions, mask, min(keep, T)))
-        self.cache_len, self.start = start + T, start
         prompt = keep and T > 1
+        logits = self.scheduler.submit(Segment(self.slot, tokens, start, positions, mask, min(keep, T)),
+                                       rest or (T if prompt else 0))
+        self.cache_len, self.start = start + T, start
         # the load others weigh a round against: decoding rounds only. A prompt chunk's rows are work the batch
         # does whatever the others draft (its cost is not theirs to share), so it counts as no width and no gain
         self.width = 0 if prompt else T
@@ -147,14 +158,17 @@ class Scheduler:
         return self.batch.slots
 
     def _fitted_chunk(self) -> int:
-        """The widest prompt chunk whose forward costs at most PREFILL_SECONDS (measured width cost curve,
-        linear beyond its widest point), at least 16 tokens, at most 256."""
+        """The widest prompt chunk (a multiple of 16, at most 256) that adds at most PREFILL_SECONDS to a
+        one-token forward (measured width cost curve, linear beyond its widest point): what a chunk delays the
+        running generations' round by. Where a forward's fixed cost alone is near PREFILL_SECONDS (an fp32
+        1.5B target reads 7 GB of weights a forward) a chunk's own cost would leave it 16 tokens, and a short
+        prompt three forwards."""
         from .decoding.treecost import WidthCost
 
         if not self.curve:
             return 256
         cost = WidthCost(self.curve)
-        return max([16] + [w for w in range(16, 257, 16) if cost(w) <= PREFILL_SECONDS])
+        return max([16] + [w for w in range(16, 257, 16) if cost(w) - cost(1) <= PREFILL_SECONDS])
 
     def acquire(self) -> SlotModel | None:
         with self.cond:
@@ -190,9 +204,9 @@ class Scheduler:
         others = [s for k, s in self.slots.items() if k != slot and s.joined]
         return sum(s.width for s in others), float(sum(s.gain for s in others))
 
-    def submit(self, segment: Segment) -> torch.Tensor:
-        """Hand in one generation's next forward and wait for its logits."""
-        work = Work(segment)
+    def submit(self, segment: Segment, rest: int = 0) -> torch.Tensor:
+        """Hand in one generation's next forward (`rest`: see Work) and wait for its logits."""
+        work = Work(segment, rest)
         with self.cond:
             if self.stopped:
                 raise D3DError("the scheduler has stopped")
@@ -236,12 +250,12 @@ class Scheduler:
             return works
 
     def _fit(self, works: list[Work]) -> list[Work]:
-        """The forwards to run now: every decoding round, and prompt chunks (segments that keep only their last
-        logits: a prompt's) up to `prefill_chunk` prompt tokens in all, shortest first and the first always;
-        the other prompt chunks wait for the next forward. So one forward's time stays near a chunk's plus the
-        rounds', however many prompts arrive at once, the running generations keep streaming, and a short
-        prompt is not queued behind the chunks of a long one."""
-        prompt = sorted((w for w in works if w.segment.keep and w.segment.width > 1), key=lambda w: w.segment.width)
+        """The forwards to run now: every decoding round, and prompt chunks up to `prefill_chunk` prompt tokens
+        in all, those of the prompts with the fewest tokens left first and the first always; the other prompt
+        chunks wait for the next forward. So one forward's time stays near a chunk's plus the rounds', however
+        many prompts arrive at once, the running generations keep streaming, and a short prompt is not queued
+        behind the chunks of a long one."""
+        prompt = sorted((w for w in works if w.rest), key=lambda w: (w.rest, w.segment.width))
         chosen, budget = [w for w in works if w not in prompt], self.prefill_chunk
         for i, w in enumerate(prompt):
             if i == 0 or w.segment.width <= budget:
