@@ -105,7 +105,7 @@ def run_together(scheduler: Scheduler, jobs: list) -> list:
 def test_concurrent_greedy_answers_are_the_solo_answers(smol, prompt_ids, ar_tokens, method):
     """Four generations at once, one of them with its prompt fed in chunks between the others' rounds."""
     model, tok, model_dir = smol
-    scheduler = Scheduler(model, 4, max_len=512, prefill_chunk=16)
+    scheduler = Scheduler(model, 4, max_len=512, prefill_chunk=16, short_prompt=0)
     try:
         n = 32
 
@@ -125,7 +125,7 @@ def test_concurrent_greedy_answers_are_the_solo_answers(smol, prompt_ids, ar_tok
 
 def test_a_prompt_is_fed_in_chunks_and_can_be_stopped(smol, prompt_ids):
     model, tok, _ = smol
-    scheduler = Scheduler(model, 2, max_len=512, prefill_chunk=8)
+    scheduler = Scheduler(model, 2, max_len=512, prefill_chunk=8, short_prompt=0)
     calls = []
 
     def check():
@@ -215,6 +215,7 @@ def test_a_prompt_is_cut_in_chunks_whose_last_takes_the_remainder():
     assert prompt_chunks(64, 32) == [(0, 32), (32, 64)]
     assert prompt_chunks(40, 16) == [(0, 16), (16, 40)]
     assert prompt_chunks(10, 16) == [(0, 10)]
+    assert prompt_chunks(40, 16, whole=64) == [(0, 40)] and len(prompt_chunks(65, 16, whole=64)) == 4
 
 
 def test_the_load_counts_decoding_rounds_not_prompt_chunks():

@@ -347,3 +347,16 @@ def test_in_a_batch_the_drafter_must_win_what_the_shared_forward_costs_a_token()
 
     assert proposer(None).drafting_pays()  # its token is worth (cost(3) + 0.4) / 2 = 0.77 >= 0.4
     assert not proposer(lambda: (7, 7.0)).drafting_pays()  # worth (cost(10) + 0.4) / 9 = 0.2 < 0.4
+
+
+def test_a_generation_that_joins_a_batch_starts_from_the_batch_cost_of_a_token():
+    """A drafter pass before any round of a request that joins a busy batch would delay every generation's
+    forward: the cost of a token it starts from is the batch's (a one-token step beside the others' forward,
+    over all of its tokens), so the drafter waits for its probe there, and runs at once alone."""
+    def first_round_drafts(load):
+        tree = TreeProposer(None, cost=WidthCost({1: 1.0, 2: 1.1, 16: 1.6}, overhead=0.4, load=load))
+        tree.reset([1])
+        return tree.drafting_pays()
+
+    assert first_round_drafts(None)
+    assert not first_round_drafts(lambda: (7, 7.0))  # cost(8) / 8 = 0.17 < 0.4

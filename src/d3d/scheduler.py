@@ -7,9 +7,9 @@ forward (their Python work, proposing and verifying, is serial anyway), runs the
 and hands each its logits. Generations join (`acquire`) and leave (`release`) between forwards, so a new
 request starts at the next forward, not after the others finish.
 
-Long prompts are fed in chunks of at most `prefill_chunk` tokens, one chunk per forward, so the running
-generations keep decoding beside a prompt being read; a check between chunks (cancellation, deadline) stops a
-prompt within one chunk.
+Long prompts are fed in chunks of about `prefill_chunk` tokens, one chunk per forward (a prompt of at most
+`short_prompt` tokens, a question, whole), so the running generations keep decoding beside a prompt being read;
+a check between chunks (cancellation, deadline) stops a prompt within one chunk.
 
 Load-aware speculation: each generation's last decoding forward width and the tokens it committed with it are
 kept (`load`; a prompt chunk counts as none: its rows are work the batch does whatever the others draft), so a method choosing how many tokens to verify (the tree methods' WidthCost) can weigh its round
@@ -29,13 +29,17 @@ from .errors import D3DError
 from .runtime.batch import BatchedTarget, Segment
 
 PREFILL_SECONDS = 0.25  # a prompt chunk adds at most about this much to a forward (from the width cost curve)
+SHORT_PROMPT = 64       # a prompt of at most this many tokens (a question) goes in one forward, whatever the chunk
 STRAGGLER_S = 1.0       # a forward waits at most this long for a generation that has not handed in its next one
 
 
-def prompt_chunks(T: int, chunk: int) -> list[tuple[int, int]]:
-    """(start, end) of a T-token prompt's pieces: `chunk` tokens each, the last taking a remainder shorter than a
-    chunk too (a prompt of 35 tokens at chunks of 32 is one forward, not two, the second of 3 tokens: a forward
-    has a fixed cost, the weights' reading, that a 3-token chunk pays as much as a 32-token one)."""
+def prompt_chunks(T: int, chunk: int, whole: int = 0) -> list[tuple[int, int]]:
+    """(start, end) of a T-token prompt's pieces: one piece if T <= `whole` (a question: its time to first token
+    is then one forward, not two or three), else `chunk` tokens each, the last taking a remainder shorter than a
+    chunk too (35 tokens at chunks of 32 are one forward, not two, the second of 3 tokens: a forward has a fixed
+    cost, the weights' reading, that a 3-token chunk pays as much as a 32-token one)."""
+    if T <= whole:
+        return [(0, T)]
     starts = list(range(0, T, chunk))
     if len(starts) > 1 and T % chunk:
         starts.pop()
@@ -98,7 +102,7 @@ class SlotModel:
         chunk = self.scheduler.prefill_chunk
         if mask is None and positions is None and T > chunk:  # a prompt: chunk by chunk, one per forward
             out = []
-            for a, b in prompt_chunks(T, chunk):
+            for a, b in prompt_chunks(T, chunk, self.scheduler.short_prompt):
                 if self.check is not None:
                     self.check()
                 last = b == T
@@ -131,13 +135,15 @@ class Scheduler:
     """Runs the forwards of up to `max_batch` generations together (see the module doc). `acquire()` gives a
     generation its SlotModel (None when all slots are taken), `release(slot)` frees it."""
 
-    def __init__(self, model, max_batch: int, max_len: int | None = None, prefill_chunk: int | None = None):
+    def __init__(self, model, max_batch: int, max_len: int | None = None, prefill_chunk: int | None = None,
+                 short_prompt: int = SHORT_PROMPT):
         from .decoding.treecost import measured_curve
 
         self.model = model
         self.curve = measured_curve(model)  # on the target alone, before any slot: the slots' methods share it
         self.batch = BatchedTarget(model, max_batch, max_len)
         self.prefill_chunk = prefill_chunk or self._fitted_chunk()
+        self.short_prompt = short_prompt
         if self.prefill_chunk < 1:
             raise D3DError(f"prefill chunk must be >= 1 token (got {self.prefill_chunk})")
         self.cond = threading.Condition()

@@ -116,7 +116,10 @@ class TreeProposer(Proposer):
         self.drafter_gain, self.idle_rounds, self.drafted = 1.0, 0, False
         self.spec_tokens = self.spec_width = None  # moving averages over the rounds that built a tree
         self.propose_s, self.plain_rounds, self.speculated = 0.0, 0, True
-        self.token_time = None if self.cost is None else self.cost(1)  # modelled seconds per emitted token
+        self.token_time = None  # modelled seconds per emitted token: from a plain step's, in a batch the batch's
+        if self.cost is not None:
+            others = self.cost.others()
+            self.token_time = self.cost(others[0] + 1) / (1 + others[1])
         self.rates: dict[tuple, list[float]] = {}  # n-gram / retrieved node label -> [accepted, tried], decayed
         if self.d3d is not None:
             self.d3d.params = self.params
