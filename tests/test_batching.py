@@ -105,7 +105,7 @@ def run_together(scheduler: Scheduler, jobs: list) -> list:
 def test_concurrent_greedy_answers_are_the_solo_answers(smol, prompt_ids, ar_tokens, method):
     """Four generations at once, one of them with its prompt fed in chunks between the others' rounds."""
     model, tok, model_dir = smol
-    scheduler = Scheduler(model, 4, max_len=512, prefill_chunk=16, short_prompt=0)
+    scheduler = Scheduler(model, 4, max_len=512, prefill_chunk=16, short_prompt=0, idle_chunks=1)
     try:
         n = 32
 
@@ -125,7 +125,7 @@ def test_concurrent_greedy_answers_are_the_solo_answers(smol, prompt_ids, ar_tok
 
 def test_a_prompt_is_fed_in_chunks_and_can_be_stopped(smol, prompt_ids):
     model, tok, _ = smol
-    scheduler = Scheduler(model, 2, max_len=512, prefill_chunk=8, short_prompt=0)
+    scheduler = Scheduler(model, 2, max_len=512, prefill_chunk=8, short_prompt=0, idle_chunks=1)
     calls = []
 
     def check():
@@ -193,7 +193,7 @@ def test_sampling_in_a_batch_keeps_the_law(method):
 def test_a_forward_takes_short_prompts_first_and_one_chunk_of_prompt_tokens():
     from d3d.scheduler import Work
 
-    scheduler = Scheduler(tiny_model(), 4, max_len=64, prefill_chunk=16)
+    scheduler = Scheduler(tiny_model(), 4, max_len=64, prefill_chunk=16, idle_chunks=1)
     try:
         def work(slot, width, keep, rest=0):
             return Work(Segment(slot, torch.zeros(width, dtype=torch.long), 0, torch.arange(width), keep=keep), rest)
@@ -209,13 +209,46 @@ def test_a_forward_takes_short_prompts_first_and_one_chunk_of_prompt_tokens():
 
 
 def test_a_prompt_is_cut_in_chunks_whose_last_takes_the_remainder():
-    from d3d.scheduler import prompt_chunks
+    from d3d.scheduler import piece_end
 
-    assert prompt_chunks(35, 32) == [(0, 35)]
-    assert prompt_chunks(64, 32) == [(0, 32), (32, 64)]
-    assert prompt_chunks(40, 16) == [(0, 16), (16, 40)]
-    assert prompt_chunks(10, 16) == [(0, 10)]
-    assert prompt_chunks(40, 16, whole=64) == [(0, 40)] and len(prompt_chunks(65, 16, whole=64)) == 4
+    def pieces(T, chunk, whole=0):
+        out, a = [], 0
+        while a < T:
+            out.append((a, piece_end(a, T, chunk, whole)))
+            a = out[-1][1]
+        return out
+
+    assert pieces(35, 32) == [(0, 35)]
+    assert pieces(64, 32) == [(0, 32), (32, 64)]
+    assert pieces(40, 16) == [(0, 16), (16, 40)]
+    assert pieces(10, 16) == [(0, 10)]
+    assert pieces(40, 16, whole=64) == [(0, 40)] and len(pieces(65, 16, whole=64)) == 4
+
+
+def test_prompts_take_wider_forwards_while_nothing_decodes():
+    """While no generation decodes (a prompt read alone, prompts arriving together) a forward takes idle_chunks
+    chunks of prompt: no stream waits on it, and each forward's fixed cost is paid fewer times."""
+    from d3d.scheduler import Work
+
+    scheduler = Scheduler(tiny_model(), 3, max_len=64, prefill_chunk=8, idle_chunks=4)
+    try:
+        a, b = scheduler.acquire(), scheduler.acquire()
+        assert scheduler.prompt_budget(a.slot) == 32
+        b.setup_cache()
+        b(torch.tensor([[1, 2, 3]]), last_only=True)  # a prompt: b is not decoding yet
+        assert scheduler.prompt_budget(a.slot) == 32
+        b(torch.tensor([[3]]), last_only=True)  # a decoding step
+        assert scheduler.prompt_budget(a.slot) == 8 and scheduler.prompt_budget(b.slot) == 32
+
+        def chunk(slot, rest):
+            return Work(Segment(slot, torch.zeros(8, dtype=torch.long), 0, torch.arange(8), keep=1), rest)
+
+        prompts = [chunk(0, 40), chunk(1, 30), chunk(2, 20)]
+        assert len(scheduler._fit(prompts)) == 3  # prompts only: up to 32 prompt tokens
+        step = Work(Segment(2, torch.zeros(1, dtype=torch.long), 0, torch.arange(1), keep=1))
+        assert scheduler._fit(prompts[:2] + [step]) == [step, prompts[1]]  # beside a round: one chunk
+    finally:
+        scheduler.stop()
 
 
 def test_the_load_counts_decoding_rounds_not_prompt_chunks():

@@ -30,20 +30,16 @@ from .runtime.batch import BatchedTarget, Segment
 
 PREFILL_SECONDS = 0.25  # a prompt chunk adds at most about this much to a forward (from the width cost curve)
 SHORT_PROMPT = 64       # a prompt of at most this many tokens (a question) goes in one forward, whatever the chunk
+IDLE_CHUNKS = 4         # prompt chunks a forward may take while no generation is decoding (Scheduler.prompt_budget)
 STRAGGLER_S = 1.0       # a forward waits at most this long for a generation that has not handed in its next one
 
 
-def prompt_chunks(T: int, chunk: int, whole: int = 0) -> list[tuple[int, int]]:
-    """(start, end) of a T-token prompt's pieces: one piece if T <= `whole` (a question: its time to first token
-    is then one forward, not two or three), else `chunk` tokens each, the last taking a remainder shorter than a
-    chunk too (35 tokens at chunks of 32 are one forward, not two, the second of 3 tokens: a forward has a fixed
-    cost, the weights' reading, that a 3-token chunk pays as much as a 32-token one)."""
-    if T <= whole:
-        return [(0, T)]
-    starts = list(range(0, T, chunk))
-    if len(starts) > 1 and T % chunk:
-        starts.pop()
-    return [(a, starts[i + 1] if i + 1 < len(starts) else T) for i, a in enumerate(starts)]
+def piece_end(a: int, T: int, chunk: int, whole: int = 0) -> int:
+    """Where the piece of a T-token prompt that starts at token `a` ends: the whole prompt if T <= `whole` (a
+    question: its time to first token is then one forward, not two or three), else `chunk` tokens on, or the
+    prompt's end where less than another chunk would be left (35 tokens at chunks of 32 are one forward, not two,
+    the second of 3 tokens: a forward has a fixed cost, the weights' reading, that 3 tokens pay as much as 32)."""
+    return T if T <= whole or T - a < 2 * chunk else a + chunk
 
 
 @dataclass
@@ -99,14 +95,14 @@ class SlotModel:
         if tokens.dim() != 2 or tokens.shape[0] != 1:
             raise D3DError("a batch slot runs one sequence [1, T]")
         T, keep = tokens.shape[1], 1 if last_only else logits_to_keep
-        chunk = self.scheduler.prefill_chunk
-        if mask is None and positions is None and T > chunk:  # a prompt: chunk by chunk, one per forward
-            out = []
-            for a, b in prompt_chunks(T, chunk, self.scheduler.short_prompt):
+        if mask is None and positions is None and T > self.scheduler.prefill_chunk:  # a prompt: piece by piece
+            out, a = [], 0
+            while a < T:
                 if self.check is not None:
                     self.check()
-                last = b == T
-                out.append(self._run(tokens[0, a:b], None, None, (keep if last else 1) if keep else 0, rest=T - a))
+                b = piece_end(a, T, self.scheduler.prompt_budget(self.slot), self.scheduler.short_prompt)
+                out.append(self._run(tokens[0, a:b], None, None, (keep if b == T else 1) if keep else 0, rest=T - a))
+                a = b
             return (out[-1] if keep else torch.cat(out))[None]
         if positions is not None:
             positions = positions.reshape(T)
@@ -136,14 +132,14 @@ class Scheduler:
     generation its SlotModel (None when all slots are taken), `release(slot)` frees it."""
 
     def __init__(self, model, max_batch: int, max_len: int | None = None, prefill_chunk: int | None = None,
-                 short_prompt: int = SHORT_PROMPT):
+                 short_prompt: int = SHORT_PROMPT, idle_chunks: int = IDLE_CHUNKS):
         from .decoding.treecost import measured_curve
 
         self.model = model
         self.curve = measured_curve(model)  # on the target alone, before any slot: the slots' methods share it
         self.batch = BatchedTarget(model, max_batch, max_len)
         self.prefill_chunk = prefill_chunk or self._fitted_chunk()
-        self.short_prompt = short_prompt
+        self.short_prompt, self.idle_chunks = short_prompt, idle_chunks
         if self.prefill_chunk < 1:
             raise D3DError(f"prefill chunk must be >= 1 token (got {self.prefill_chunk})")
         self.cond = threading.Condition()
@@ -206,6 +202,18 @@ class Scheduler:
     def running(self) -> int:
         return len(self.slots)
 
+    def decoding(self, slot: int | None = None) -> bool:
+        """Whether a generation other than `slot`'s is decoding (its last forward a decoding round)."""
+        return any(s.joined and s.width for k, s in self.slots.items() if k != slot)
+
+    def prompt_budget(self, slot: int | None = None) -> int:
+        """Prompt tokens a forward may take: `prefill_chunk`, or `idle_chunks` times it while no other generation
+        is decoding, as when a prompt is read alone or prompts arrive together: no stream to keep flowing, and
+        a forward's fixed cost paid fewer times (a 250-token prompt on the fp32 1.5B pair: 4 forwards, not 16).
+        A request that arrives meanwhile waits for the forward under way, at most about idle_chunks x
+        PREFILL_SECONDS."""
+        return self.prefill_chunk * (1 if self.decoding(slot) else self.idle_chunks)
+
     def load(self, slot: int) -> tuple[int, float]:
         others = [s for k, s in self.slots.items() if k != slot and s.joined]
         return sum(s.width for s in others), float(sum(s.gain for s in others))
@@ -257,12 +265,14 @@ class Scheduler:
 
     def _fit(self, works: list[Work]) -> list[Work]:
         """The forwards to run now: every decoding round, and prompt chunks up to `prefill_chunk` prompt tokens
-        in all, those of the prompts with the fewest tokens left first and the first always; the other prompt
+        in all (`idle_chunks` times that in a forward of prompts only), those of the prompts with the fewest tokens
+        left first and the first always; the other prompt
         chunks wait for the next forward. So one forward's time stays near a chunk's plus the rounds', however
         many prompts arrive at once, the running generations keep streaming, and a short prompt is not queued
         behind the chunks of a long one."""
         prompt = sorted((w for w in works if w.rest), key=lambda w: (w.rest, w.segment.width))
-        chosen, budget = [w for w in works if w not in prompt], self.prefill_chunk
+        chosen = [w for w in works if w not in prompt]
+        budget = self.prefill_chunk * (1 if chosen else self.idle_chunks)
         for i, w in enumerate(prompt):
             if i == 0 or w.segment.width <= budget:
                 chosen.append(w)
