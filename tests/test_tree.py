@@ -360,3 +360,14 @@ def test_a_generation_that_joins_a_batch_starts_from_the_batch_cost_of_a_token()
 
     assert first_round_drafts(None)
     assert not first_round_drafts(lambda: (7, 7.0))  # cost(8) / 8 = 0.17 < 0.4
+
+
+def test_the_drafter_stops_as_soon_as_the_others_decode():
+    """Its worth follows the batch at once: a drafter that paid while the others were reading their prompts
+    (no load) stops in the first round in which they decode."""
+    load = [(0, 0.0)]
+    tree = TreeProposer(None, cost=WidthCost({1: 1.0, 2: 1.1, 16: 1.6}, overhead=0.4, load=lambda: load[0]))
+    tree.reset([1])
+    assert tree.drafting_pays()
+    load[0] = (7, 7.0)
+    assert not tree.drafting_pays()  # cost(8) / 8 = 0.17 < 0.4

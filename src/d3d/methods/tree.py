@@ -132,9 +132,15 @@ class TreeProposer(Proposer):
         better the other proposers do, the less a token the drafter adds is worth; in a batch, the shared
         forward's cost over all of its tokens, so a drafter pass that delays every generation's forward must
         win more than alone); and every probe_interval-th round anyway (d3d.decoding.budget: PROBE_ROUNDS
-        alone, rarer in a batch), to see whether it pays again. The choice depends on verified text, tree
-        sizes and the other generations' last forwards only, so sampling stays exact."""
-        if self.cost is None or self.drafter_gain * self.token_time >= self.cost.overhead:
+        alone, rarer in a batch), to see whether it pays again. In a batch a token is worth at most what a plain
+        step costs the batch now (a moving average lags when the others start decoding: 8 requests arriving
+        together all drafted in their first rounds). The choice depends on verified text, tree sizes and the
+        other generations' last forwards only, so sampling stays exact."""
+        if self.cost is None:
+            return True
+        others = self.cost.others()
+        worth = min(self.token_time, self.cost(others[0] + 1) / (1 + others[1])) if others[0] else self.token_time
+        if self.drafter_gain * worth >= self.cost.overhead:
             return True
         return self.idle_rounds >= probe_interval(self.cost, self.cost.overhead)
 
