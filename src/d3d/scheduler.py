@@ -12,9 +12,10 @@ Long prompts are fed in chunks of about `prefill_chunk` tokens, one chunk per fo
 a check between chunks (cancellation, deadline) stops a prompt within one chunk.
 
 Load-aware speculation: each generation's last decoding forward width and the tokens it committed with it are
-kept (`load`; a prompt chunk counts as none: its rows are work the batch does whatever the others draft), so a method choosing how many tokens to verify (the tree methods' WidthCost) can weigh its round
-against the whole batch: the width that maximises the batch's committed tokens per second of the batch's
-forward, given what the other generations feed. At one generation that is the single-stream choice; under
+kept (`load`; a prompt chunk counts as none: its rows are work the batch does whatever the others draft), so a
+method choosing how many tokens to verify (the tree methods' WidthCost) can weigh its round against the whole
+batch: the width that maximises the batch's committed tokens per second of the batch's forward, given what the
+other generations feed. At one generation that is the single-stream choice; under
 load extra width costs what it adds to everyone's forward, and a draft that does not pay shrinks to nothing.
 """
 from __future__ import annotations
@@ -266,11 +267,10 @@ class Scheduler:
 
     def _fit(self, works: list[Work]) -> list[Work]:
         """The forwards to run now: every decoding round, and prompt chunks up to `prefill_chunk` prompt tokens
-        in all (`idle_chunks` times that in a forward of prompts only), those of the prompts with the fewest tokens
-        left first and the first always; the other prompt
-        chunks wait for the next forward. So one forward's time stays near a chunk's plus the rounds', however
-        many prompts arrive at once, the running generations keep streaming, and a short prompt is not queued
-        behind the chunks of a long one."""
+        in all (`idle_chunks` times that in a forward of prompts only), those of the prompts with the fewest
+        tokens left first and the first always; the other prompt chunks wait for the next forward. So one
+        forward's time stays near a chunk's plus the rounds', however many prompts arrive at once, the running
+        generations keep streaming, and a short prompt is not queued behind the chunks of a long one."""
         prompt = sorted((w for w in works if w.rest), key=lambda w: (w.rest, w.segment.width))
         chosen = [w for w in works if w not in prompt]
         budget = self.prefill_chunk * (1 if chosen else self.idle_chunks)

@@ -21,7 +21,7 @@ from typing import Callable
 from ..decoding.engine import GenerationResult
 from ..decoding.verify import SamplingParams
 from ..errors import D3DError
-from ..server.loadtest_base import percentile
+from ..server.loadtest_throughput import level_summary
 
 LaneBuilder = Callable[[object], Callable[..., GenerationResult]]  # batch slot -> a runner on it
 
@@ -51,6 +51,7 @@ def run_level(model, build: LaneBuilder, prompts: list[list[int]], clients: int,
         forwards, rows = scheduler.forwards, scheduler.rows
         todo, lock = list(range(len(prompts))), threading.Lock()
         records: list[dict | None] = [None] * len(prompts)
+        outputs: list[list[int] | None] = [None] * len(prompts)
         errors: list[BaseException] = []
 
         def client(slot, runner) -> None:
@@ -68,7 +69,9 @@ def run_level(model, build: LaneBuilder, prompts: list[list[int]], clients: int,
                     return
                 finally:
                     scheduler.leave(slot.slot)
-                records[i] = {"tokens": res.token_ids, "ttft_s": first[0] - t0, "total_s": time.perf_counter() - t0}
+                outputs[i] = res.token_ids
+                records[i] = {"tokens": len(res.token_ids), "ttft_s": first[0] - t0,
+                              "total_s": time.perf_counter() - t0}
 
         t0 = time.perf_counter()
         threads = [threading.Thread(target=client, args=pair, daemon=True) for pair in zip(slots, runners)]
@@ -81,17 +84,10 @@ def run_level(model, build: LaneBuilder, prompts: list[list[int]], clients: int,
         scheduler.stop()
     if errors:
         raise errors[0]
-    tokens = sum(len(r["tokens"]) for r in records)
-    decode = [(len(r["tokens"]) - 1) / (r["total_s"] - r["ttft_s"]) for r in records
-              if len(r["tokens"]) > 1 and r["total_s"] > r["ttft_s"]]
-    summary = {"clients": clients, "requests": len(prompts), "wall_s": round(wall, 2), "completion_tokens": tokens,
-               "aggregate_tokens_per_s": round(tokens / wall, 2),
-               "per_request_tokens_per_s_p50": percentile(decode, 0.5),
-               "ttft_p50_s": percentile([r["ttft_s"] for r in records], 0.5),
-               "ttft_p95_s": percentile([r["ttft_s"] for r in records], 0.95),
-               "forwards": scheduler.forwards - forwards,
-               "rows_per_forward": round((scheduler.rows - rows) / max(1, scheduler.forwards - forwards), 2)}
-    return summary, [r["tokens"] for r in records]
+    summary = level_summary(clients, len(prompts), wall, records) | {
+        "forwards": scheduler.forwards - forwards,
+        "rows_per_forward": round((scheduler.rows - rows) / max(1, scheduler.forwards - forwards), 2)}
+    return summary, outputs
 
 
 def run_batched(model, builders: dict[str, LaneBuilder], prompts: list[list[int]], levels: list[int],

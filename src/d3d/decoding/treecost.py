@@ -94,6 +94,11 @@ class WidthCost:
         its cost. overhead: the round's other costs (drafting); extra: seconds more (a proposer's own time)."""
         return (gain + others[1]) / (self(others[0] + width) + self.overhead + extra)
 
+    def step_token_s(self, others: tuple[int, float] = (0, 0.0)) -> float:
+        """Seconds a token of a plain step (the pending token alone) costs beside `others`: the shared forward
+        over all of its tokens (alone, a one-token forward)."""
+        return self(others[0] + 1) / (1 + others[1])
+
     def others(self) -> tuple[int, float]:
         return self.load() if self.load is not None else (0, 0.0)
 

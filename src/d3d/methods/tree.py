@@ -116,10 +116,8 @@ class TreeProposer(Proposer):
         self.drafter_gain, self.idle_rounds, self.drafted = 1.0, 0, False
         self.spec_tokens = self.spec_width = None  # moving averages over the rounds that built a tree
         self.propose_s, self.plain_rounds, self.speculated = 0.0, 0, True
-        self.token_time = None  # modelled seconds per emitted token: from a plain step's, in a batch the batch's
-        if self.cost is not None:
-            others = self.cost.others()
-            self.token_time = self.cost(others[0] + 1) / (1 + others[1])
+        # modelled seconds per emitted token, from a plain step's (in a batch, beside the others)
+        self.token_time = None if self.cost is None else self.cost.step_token_s(self.cost.others())
         self.rates: dict[tuple, list[float]] = {}  # n-gram / retrieved node label -> [accepted, tried], decayed
         if self.d3d is not None:
             self.d3d.params = self.params
@@ -139,7 +137,7 @@ class TreeProposer(Proposer):
         if self.cost is None:
             return True
         others = self.cost.others()
-        worth = min(self.token_time, self.cost(others[0] + 1) / (1 + others[1])) if others[0] else self.token_time
+        worth = min(self.token_time, self.cost.step_token_s(others)) if others[0] else self.token_time
         if self.drafter_gain * worth >= self.cost.overhead:
             return True
         return self.idle_rounds >= probe_interval(self.cost, self.cost.overhead)

@@ -100,17 +100,24 @@ def run_level(ep: Endpoint, prompts: list[str], clients: int, max_tokens: int) -
         t.join()
     wall = time.perf_counter() - t0
     ok = [r for r in records if r["status"] == 200 and r["ttft_s"] is not None]
-    decode = [(r["tokens"] - 1) / (r["total_s"] - r["ttft_s"]) for r in ok if r["tokens"] > 1 and r["total_s"] > r["ttft_s"]]
     statuses: dict[str, int] = {}
     for r in records:
         statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
-    summary = {"clients": clients, "requests": len(prompts), "wall_s": round(wall, 2),
-               "completion_tokens": sum(r["tokens"] for r in ok),
-               "aggregate_tokens_per_s": round(sum(r["tokens"] for r in ok) / wall, 2),
-               "per_request_tokens_per_s_p50": percentile(decode, 0.5),
-               "ttft_p50_s": percentile([r["ttft_s"] for r in ok], 0.5),
-               "ttft_p95_s": percentile([r["ttft_s"] for r in ok], 0.95), "statuses": statuses}
-    return summary, records
+    return level_summary(clients, len(prompts), wall, ok) | {"statuses": statuses}, records
+
+
+def level_summary(clients: int, requests: int, wall: float, done: list[dict]) -> dict:
+    """A level's figures from its answered requests (`tokens`, `ttft_s`, `total_s` each): aggregate completion
+    tokens/s over the level's wall time, per-request decode tokens/s p50 (tokens after the first over the time
+    after the first), time to first token p50 / p95 (also d3d.bench.batched's)."""
+    decode = [(r["tokens"] - 1) / (r["total_s"] - r["ttft_s"]) for r in done
+              if r["tokens"] > 1 and r["total_s"] > r["ttft_s"]]
+    tokens = sum(r["tokens"] for r in done)
+    return {"clients": clients, "requests": requests, "wall_s": round(wall, 2), "completion_tokens": tokens,
+            "aggregate_tokens_per_s": round(tokens / wall, 2),
+            "per_request_tokens_per_s_p50": percentile(decode, 0.5),
+            "ttft_p50_s": percentile([r["ttft_s"] for r in done], 0.5),
+            "ttft_p95_s": percentile([r["ttft_s"] for r in done], 0.95)}
 
 
 def long_prompt_ttft(ep: Endpoint, text: str, prompt_tokens: int, shorts: int = 6) -> dict:
