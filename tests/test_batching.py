@@ -251,17 +251,19 @@ def test_prompts_take_wider_forwards_while_nothing_decodes():
         scheduler.stop()
 
 
-def test_the_load_counts_decoding_rounds_not_prompt_chunks():
-    """A prompt chunk's rows are work the batch does whatever the others draft: it counts as no width and no
-    gain in the load the other generations weigh their drafts against; a decoding step counts as itself."""
+def test_the_load_counts_a_prompt_chunk_as_a_one_token_step():
+    """A prompt chunk's rows are work the batch does whatever the others draft: in the load the other generations
+    weigh their drafts against it counts as a one-token step (it decodes soon), not as its width; a decoding
+    round counts as itself."""
     scheduler = Scheduler(tiny_model(), 2, max_len=64, prefill_chunk=16)
     try:
         a, b = scheduler.acquire(), scheduler.acquire()
         a.setup_cache()
         a(torch.tensor([[1, 2, 3, 1, 2]]), last_only=True)
-        assert scheduler.load(b.slot) == (0, 0.0)
-        a(torch.tensor([[3]]), last_only=True)
         assert scheduler.load(b.slot) == (1, 1.0)
+        assert not scheduler.decoding(b.slot)  # for the prompt budget it still reads its prompt
+        a(torch.tensor([[3, 1, 2]]), positions=torch.arange(5, 8))  # a round verifying three tokens
+        assert scheduler.load(b.slot) == (3, 3.0)
         assert scheduler.load(a.slot) == (0, 0.0)  # b has not joined
     finally:
         scheduler.stop()

@@ -196,9 +196,9 @@ def test_choose_slots_keeps_the_slots_that_cost_little(monkeypatch):
     proposer = type("P", (), {"drafter": drafter})()
     costs = {2: 1.0, 4: 1.2, 8: 1.3, 16: 2.0}  # compute-bound beyond 4 slots, as on a CPU
     monkeypatch.setattr(d3d.decoding.treecost, "drafter_costs", lambda p, slots: {s: costs[s] for s in slots})
-    assert choose_slots(proposer) == (4, 1.2)
+    assert choose_slots(proposer) == (4, 1.2, 1.0 / 14)
     monkeypatch.setattr(d3d.decoding.treecost, "drafter_costs", lambda p, slots: {s: 1.0 for s in slots})
-    assert choose_slots(proposer) == (16, 1.0)  # bound by reading the weights, as on a GPU
+    assert choose_slots(proposer) == (16, 1.0, 0.0)  # bound by reading the weights, as on a GPU
 
 
 # --------------------------------------------------------------------------------------------
@@ -371,3 +371,39 @@ def test_the_drafter_stops_as_soon_as_the_others_decode():
     assert tree.drafting_pays()
     load[0] = (7, 7.0)
     assert not tree.drafting_pays()  # cost(8) / 8 = 0.17 < 0.4
+
+
+def test_in_a_batch_the_drafter_reads_the_prompt_only_when_it_first_drafts(tiny):
+    """Beside generations that decode the drafter may never draft, and its prompt pass would take the cores their
+    forwards need: in a batch reset leaves its cache empty and the first draft catches it up; alone it reads the
+    prompt at once, as a single stream always did."""
+    def reset(load):
+        drafter = tiny_drafter(tiny)
+        tree = TreeProposer(D3DProposer(drafter, V, max_len=64), draft_slots=2,
+                            cost=WidthCost({1: 1.0, 16: 1.0}, overhead=0.5, load=load))
+        tree.reset([1, 2, 3, 1, 2])
+        return tree, drafter
+
+    assert reset(None)[1].cached_tokens == [1, 2, 3, 1, 2]
+    tree, drafter = reset(lambda: (0, 0.0))
+    assert drafter.cached_tokens == []
+    tree.propose([1, 2, 3, 1, 2, 3], 3)
+    assert tree.drafted and drafter.cached_tokens == [1, 2, 3, 1, 2, 3]
+
+
+def test_a_drafter_far_behind_probes_rarely_in_a_batch():
+    """A probe pays the drafter's catch-up on the verified text it lacks: in a batch its interval grows with
+    what it would feed; alone it probes every PROBE_ROUNDS rounds whatever it lacks."""
+    def probes_after(load, behind, rounds):
+        tree = TreeProposer(None, cost=WidthCost({1: 1.0, 2: 1.1, 16: 1.6}, overhead=0.4, load=load),
+                            catch_up_s=0.05)
+        tree.reset([1])
+        tree.drafter_gain, tree.idle_rounds = 0.0, rounds  # it has not paid lately
+        return tree.drafting_pays(behind)
+
+    rounds = d3d.decoding.budget.PROBE_ROUNDS
+    assert probes_after(None, 100, rounds)
+    busy = lambda: (7, 7.0)  # noqa: E731
+    near = d3d.decoding.budget.probe_interval(WidthCost({1: 1.0, 2: 1.1, 16: 1.6}, load=busy), 0.4)
+    assert probes_after(busy, 0, near) and not probes_after(busy, 100, near)
+    assert not probes_after(busy, 100, near * 13) and probes_after(busy, 100, near * 14)  # 0.4 + 100 x 0.05 s: 13.5x

@@ -12,7 +12,8 @@ Long prompts are fed in chunks of about `prefill_chunk` tokens, one chunk per fo
 a check between chunks (cancellation, deadline) stops a prompt within one chunk.
 
 Load-aware speculation: each generation's last decoding forward width and the tokens it committed with it are
-kept (`load`; a prompt chunk counts as none: its rows are work the batch does whatever the others draft), so a
+kept (`load`; a prompt chunk counts as a one-token step: its rows are work the batch does whatever the others
+draft, and it decodes soon), so a
 method choosing how many tokens to verify (the tree methods' WidthCost) can weigh its round against the whole
 batch: the width that maximises the batch's committed tokens per second of the batch's forward, given what the
 other generations feed. At one generation that is the single-stream choice; under
@@ -121,8 +122,7 @@ class SlotModel:
         logits = self.scheduler.submit(Segment(self.slot, tokens, start, positions, mask, min(keep, T)),
                                        rest or (T if prompt else 0))
         self.cache_len, self.start = start + T, start
-        # the load others weigh a round against: decoding rounds only. A prompt chunk's rows are work the batch
-        # does whatever the others draft (its cost is not theirs to share), so it counts as no width and no gain
+        # the load others weigh a round against (Scheduler.load): a prompt chunk counts as a one-token step there
         self.width = 0 if prompt else T
         self.gain = 0 if prompt else (min(T, keep) if keep else T)  # a verification: what rollback keeps
         return logits
@@ -217,8 +217,12 @@ class Scheduler:
         return self.prefill_chunk * (1 if self.decoding(slot) else self.idle_chunks)
 
     def load(self, slot: int) -> tuple[int, float]:
+        """(width, committed tokens) of the last forwards of the generations other than `slot`'s. One reading its
+        prompt counts as a one-token step: its chunk's rows are work the batch does whatever the others draft,
+        but a drafter pass or a wide tree delays its chunks as it would delay its tokens, and it decodes soon (8
+        requests arriving together each ran the drafter over its whole prompt in its first round, as if alone)."""
         others = [s for k, s in self.slots.items() if k != slot and s.joined]
-        return sum(s.width for s in others), float(sum(s.gain for s in others))
+        return sum(s.width or 1 for s in others), float(sum(s.gain if s.width else 1 for s in others))
 
     def submit(self, segment: Segment, rest: int = 0) -> torch.Tensor:
         """Hand in one generation's next forward (`rest`: see Work) and wait for its logits."""

@@ -91,13 +91,14 @@ class TreeProposer(Proposer):
     def __init__(self, drafter: D3DProposer | None, budget: int = 32, alternatives: int = 2, alt_tail: int = 3,
                  ngram_matches: int = 4, cost: WidthCost | None = None,
                  draft_slots: int | None = None, datastore: Datastore | None = None, retrieved: int = 2,
-                 history: LearnedStore | None = None):
+                 history: LearnedStore | None = None, catch_up_s: float = 0.0):
         if budget < 1:
             raise D3DError(f"tree budget must be >= 1 (got {budget})")
         if drafter is not None and draft_slots is not None and not 1 <= draft_slots <= drafter.drafter.block_size:
             raise D3DError(f"draft slots must be in 1..{drafter.drafter.block_size} (got {draft_slots})")
         self.d3d, self.budget, self.alternatives, self.alt_tail = drafter, budget, alternatives, alt_tail
-        self.draft_slots = draft_slots
+        self.draft_slots, self.catch_up_s = draft_slots, catch_up_s  # catch_up_s: a drafter pass's seconds per
+        # verified token its cache lacks beyond the pending one (treecost.choose_slots)
         self.ngram_matches, self.cost = ngram_matches, cost
         self.datastore, self.retrieved, self.history = datastore, retrieved, history
         self.params, self.drafted = SamplingParams(), False
@@ -119,11 +120,13 @@ class TreeProposer(Proposer):
         # modelled seconds per emitted token, from a plain step's (in a batch, beside the others)
         self.token_time = None if self.cost is None else self.cost.step_token_s(self.cost.others())
         self.rates: dict[tuple, list[float]] = {}  # n-gram / retrieved node label -> [accepted, tried], decayed
-        if self.d3d is not None:
+        if self.d3d is not None:  # in a batch the drafter reads the prompt when it first drafts (draft_block
+            # catches its cache up): beside generations that decode it may never draft, and its prompt pass took
+            # the cores their forwards need (on the fp32 pair at 8 clients, 3 s a request for no accepted token)
             self.d3d.params = self.params
-            self.d3d.reset(prompt_ids)
+            self.d3d.reset([] if self.cost is not None and self.cost.load is not None else prompt_ids)
 
-    def drafting_pays(self) -> bool:
+    def drafting_pays(self, behind: int = 0) -> bool:
         """Whether to run the drafter this round. Without a cost model, always. Else when the tokens that
         only it proposed on recent accepted paths (a moving average per round) are worth its cost, a token
         being worth what one costs now (a moving average of the modelled round cost per emitted token: the
@@ -133,14 +136,20 @@ class TreeProposer(Proposer):
         alone, rarer in a batch), to see whether it pays again. In a batch a token is worth at most what a plain
         step costs the batch now (a moving average lags when the others start decoding: 8 requests arriving
         together all drafted in their first rounds). The choice depends on verified text, tree sizes and the
-        other generations' last forwards only, so sampling stays exact."""
+        other generations' last forwards only, so sampling stays exact.
+
+        behind: verified tokens the drafter's cache lacks beyond the pending one (it has not drafted for a
+        while, or, in a batch, not yet). A pass that pays is worth catching up for: after it the drafter feeds
+        only each round's new tokens. A probe, which may find that it does not pay, counts its catch-up in its
+        cost, so in a batch a drafter far behind probes rarely (64 tokens behind on the fp32 pair, a pass costs
+        6x a caught-up one)."""
         if self.cost is None:
             return True
         others = self.cost.others()
         worth = min(self.token_time, self.cost.step_token_s(others)) if others[0] else self.token_time
         if self.drafter_gain * worth >= self.cost.overhead:
             return True
-        return self.idle_rounds >= probe_interval(self.cost, self.cost.overhead)
+        return self.idle_rounds >= probe_interval(self.cost, self.cost.overhead + behind * self.catch_up_s)
 
     def speculation_pays(self) -> bool:
         """In a batch (the cost model's `load`, d3d.scheduler) with other generations in it: whether building
@@ -221,7 +230,8 @@ class TreeProposer(Proposer):
         return tree
 
     def _tree(self, draft: TreeDraft, tokens: list[int], k: int) -> TokenTree:
-        self.drafted = k > 0 and self.d3d is not None and self.drafting_pays()
+        self.drafted = k > 0 and self.d3d is not None and \
+            self.drafting_pays(max(0, len(tokens) - 1 - len(self.d3d.drafter.cached_tokens)))
         matches = longest_continuations(tokens, k, self.ngram_matches) if k > 0 else []
         if self.drafted:
             self._add_drafter(draft, d3d_block(self.d3d, tokens, k, self.params, self.alternatives + 1,
@@ -269,9 +279,9 @@ def auto_tree(model, proposer: D3DProposer | None, datastore: Datastore | None =
     if proposer is None:
         return TreeProposer(None, choose_budget(curve, block_size), cost=WidthCost(curve, load=load),
                             datastore=datastore, history=history)
-    slots, overhead = choose_slots(proposer)
-    return TreeProposer(proposer, choose_budget(curve, proposer.drafter.block_size),
-                        cost=WidthCost(curve, overhead, load), draft_slots=slots, datastore=datastore, history=history)
+    slots, overhead, token_s = choose_slots(proposer)
+    return TreeProposer(proposer, choose_budget(curve, proposer.drafter.block_size), cost=WidthCost(curve, overhead, load),
+                        draft_slots=slots, datastore=datastore, history=history, catch_up_s=token_s)
 
 
 @lru_cache(maxsize=2)
