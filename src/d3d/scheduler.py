@@ -13,11 +13,10 @@ a check between chunks (cancellation, deadline) stops a prompt within one chunk.
 
 Load-aware speculation: each generation's last decoding forward width and the tokens it committed with it are
 kept (`load`; a prompt chunk counts as a one-token step: its rows are work the batch does whatever the others
-draft, and it decodes soon), so a
-method choosing how many tokens to verify (the tree methods' WidthCost) can weigh its round against the whole
-batch: the width that maximises the batch's committed tokens per second of the batch's forward, given what the
-other generations feed. At one generation that is the single-stream choice; under
-load extra width costs what it adds to everyone's forward, and a draft that does not pay shrinks to nothing.
+draft, and it decodes soon), so a method choosing how many tokens to verify (the tree methods' WidthCost) can
+weigh its round against the whole batch: the width that maximises the batch's committed tokens per second of the
+batch's forward, given what the other generations feed. At one generation that is the single-stream choice;
+under load extra width costs what it adds to everyone's forward, and a draft that does not pay shrinks to nothing.
 """
 from __future__ import annotations
 
