@@ -266,6 +266,22 @@ def generate_async(model, tokenizer, prompt_ids: list[int], params: SamplingPara
 
 
 @torch.no_grad()
+def primed_caches(model, drafter: Drafter, context: int, slots: int) -> list[int]:
+    """Set up the target's and the drafter's caches for timing rounds after `context` cached tokens (fewer
+    where a model's context is shorter): the target holds them all, the drafter all but the last (the pending
+    token a round feeds). Returns that text (zeros)."""
+    B = drafter.block_size
+    context = max(2, min(context, model.args.max_seq_len - B - 1, drafter.args.max_seq_len - B - B * slots - 2))
+    text = [0] * context
+    model.setup_cache(1, context + B + 1)
+    model(torch.zeros(1, context, dtype=torch.long, device=next(model.parameters()).device))
+    drafter.setup_cache(1, context + B + B * slots + 2)
+    drafter.cached_tokens = []
+    drafter.extend(text[:-1])
+    return text
+
+
+@torch.no_grad()
 def round_costs(model, drafter: Drafter, split_threads: bool, context: int = 256, repeats: int = 3,
                 slots: int | None = None) -> dict[str, float]:
     """Seconds of one round of each schedule of asynchronous D3D on this machine, the fastest of `repeats`
@@ -276,13 +292,8 @@ def round_costs(model, drafter: Drafter, split_threads: bool, context: int = 256
     shorter); every cache is rolled back after."""
     B, S = drafter.block_size, slots or drafter.block_size
     device, draft_device = next(model.parameters()).device, drafter.draft_ids.device
-    context = max(2, min(context, model.args.max_seq_len - B - 1, drafter.args.max_seq_len - B - B * S - 2))
-    text = [0] * context
-    model.setup_cache(1, context + B + 1)
-    model(torch.zeros(1, context, dtype=torch.long, device=device))
-    drafter.setup_cache(1, context + B + B * S + 2)
-    drafter.cached_tokens = []
-    drafter.extend(text[:-1])
+    text = primed_caches(model, drafter, context, S)
+    context = len(text)
     V = torch.zeros(1, B, dtype=torch.long, device=device)
 
     def verify() -> None:
