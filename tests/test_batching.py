@@ -269,6 +269,22 @@ def test_the_load_counts_a_prompt_chunk_as_a_one_token_step():
         scheduler.stop()
 
 
+def test_a_stopped_scheduler_frees_its_kv_cache_at_once():
+    """A bench builds a scheduler per level and method: each one's cache is freed when it stops, not whenever the
+    cycle collector comes (SmolLM2 in-process, 4 levels of 8 slots: 13.4 GB held before, 1.8 GB after), and a
+    generation still holding a slot then gets a one-line error, not a failure inside torch."""
+    scheduler = Scheduler(tiny_model(), 2, max_len=64, prefill_chunk=16)
+    a = scheduler.acquire()
+    a.setup_cache()
+    a(torch.tensor([[1, 2, 3]]), last_only=True)
+    scheduler.stop()
+    assert scheduler.batch.kv is None and scheduler.batch.k_caches == []
+    with pytest.raises(D3DError, match="scheduler has stopped"):
+        a.move_cache_rows(torch.tensor([1]), torch.tensor([0]))
+    with pytest.raises(D3DError, match="scheduler has stopped"):
+        a(torch.tensor([[4]]), positions=torch.arange(3, 4))
+
+
 def test_probes_in_a_batch_take_a_bounded_share_of_its_time():
     """Alone a generation probes every PROBE_ROUNDS rounds; in a batch, where its proposing delays everyone's
     forward, a probe that costs much (a drafter's pass) comes rarely enough to cost at most PROBE_SHARE."""

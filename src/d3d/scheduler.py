@@ -240,6 +240,7 @@ class Scheduler:
         return work.logits
 
     def stop(self) -> None:
+        """Fail every waiting forward, end the scheduler's thread and free the batch's KV cache."""
         with self.cond:
             self.stopped = True
             for w in self.pending.values():
@@ -249,6 +250,7 @@ class Scheduler:
             self.cond.notify_all()
         if threading.current_thread() is not self.thread:
             self.thread.join()
+            self.batch.release()
 
     def _take(self) -> list[Work]:
         """Wait for a forward's work: the next forward of every generation that has joined (handed in one

@@ -51,6 +51,16 @@ class BatchedTarget:
                               dtype=p.dtype, device=p.device)
         self.k_caches, self.v_caches = list(self.kv[0]), list(self.kv[1])
 
+    def release(self) -> None:
+        """Free the KV cache (a batch of 8 slots of 8,192 tokens holds 3 GB on SmolLM2): a scheduler that
+        stops is often left to the cycle collector (its slots point back at it), which runs on object counts,
+        not bytes, so a bench building one scheduler per level and method held every earlier cache at once."""
+        self.kv, self.k_caches, self.v_caches = None, [], []
+
+    def _check_cache(self) -> None:
+        if self.kv is None:
+            raise D3DError("the batch's KV cache was released (its scheduler has stopped)")
+
     @property
     def native(self) -> bool:
         """Whether forwards run on the C++ layers, all segments in one call (else one PyTorch pass each)."""
@@ -58,11 +68,13 @@ class BatchedTarget:
 
     def move_rows(self, slot: int, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the K/V at positions `src` of one slot to positions `dst` (a token tree's accepted path)."""
+        self._check_cache()
         self.kv[:, :, slot, :, dst] = self.kv[:, :, slot, :, src]
 
     @torch.no_grad()
     def forward(self, segments: list[Segment]) -> list[torch.Tensor]:
         """Logits [keep or T, V] of each segment, its K/V written into its slot."""
+        self._check_cache()
         for s in segments:
             if not 0 <= s.slot < self.slots:
                 raise D3DError(f"cache slot {s.slot} outside the batch's {self.slots}")
