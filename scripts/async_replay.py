@@ -22,17 +22,13 @@ import torch
 from d3d.atomic import atomic_write_json
 from d3d.bench.async_model import cpu_prediction, gpu_profile, measure_passes, predict
 from d3d.bench.harness import machine_info
-from d3d.corpus.prompts import MultiTurn, benchmark_prompts, encode_prompt
+from d3d.corpus.prompts import benchmark_prompts, encode_prompt, first_turn
 from d3d.decoding.async_engine import generate_async
 from d3d.decoding.engine import generate
 from d3d.drafters.files import load_drafter
 from d3d.methods.d3d import D3DProposer
 from d3d.methods.registry import default_drafter
 from d3d.runtime.loading import load_target
-
-
-def first_turns(benchmarks: list[str], limit: int) -> list[str]:
-    return [i.turns[0] if isinstance(i, MultiTurn) else i for b in benchmarks for i in benchmark_prompts(b, limit)]
 
 
 def pooled(results: list) -> dict:
@@ -61,7 +57,8 @@ def main() -> None:
     print("passes (s by threads):", {k: {n: round(s, 4) for n, s in v.items()} for k, v in costs.items()},
           "both:", round(both, 4), flush=True)
 
-    prompts = [encode_prompt(tok, t) for t in first_turns(args.benchmarks.split(","), args.limit)]
+    prompts = [encode_prompt(tok, first_turn(item)) for b in args.benchmarks.split(",")
+               for item in benchmark_prompts(b, args.limit)]
     sync_runs, async_runs, hits, packed_rounds = [], [], 0, 0
     proposer = D3DProposer(drafter, model.args.vocab_size, max_len=model.args.max_seq_len)
     for i, ids in enumerate(prompts):

@@ -32,23 +32,20 @@ from d3d.server.loadtest_throughput import throughput_prompts
 
 
 class Recorder:
-    """Each round's kept node scores (from TreeDraft.select, per generation thread) and their outcome (from
-    TreeProposer.accept); `instrument` routes both to the recorder in use."""
+    """Each round's ranked node scores (from TreeDraft.ranked, per generation thread), the kept ones' outcome
+    (from TreeProposer.accept); `instrument` routes both to the recorder in use."""
 
     def __init__(self, worth: float):
         self.worth, self.local, self.lock = worth, threading.local(), threading.Lock()
         self.buckets = [[0.0, 0, 0] for _ in range(10)]  # per tenth of score: sum of scores, kept, reached
         self.widths, self.tokens, self.available = [], [], []
 
-    def selected(self, draft, budget: int, max_depth: int, kept: int) -> None:
-        nodes = draft.nodes  # select has capped each score at its parent's and keeps the best in this order
-        order = sorted(range(1, len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth, i))
-        fits = [nodes[i].score for i in order if nodes[i].depth <= max_depth][:max(0, budget - 1)]
-        self.local.kept, self.local.fits = fits[:kept - 1], fits
+    def ranked(self, draft, ranked: list[int]) -> None:
+        self.local.fits = [draft.nodes[i].score for i in ranked]
 
     def record(self, width: int, path: list[int]) -> None:
-        kept, fits = getattr(self.local, "kept", []), getattr(self.local, "fits", [])
-        reached = set(path)
+        fits = getattr(self.local, "fits", [])
+        kept, reached = fits[:width - 1], set(path)  # select keeps a prefix of what it ranked
         with self.lock:
             for j, score in enumerate(kept):  # kept node j is tree node j + 1 (select keeps them in this order)
                 b = self.buckets[min(9, int(score * 10))]
@@ -67,21 +64,21 @@ class Recorder:
 
 
 def instrument() -> list:
-    """Wrap TreeDraft.select and TreeProposer.accept once; returns the one-element list holding the recorder
+    """Wrap TreeDraft.ranked and TreeProposer.accept once; returns the one-element list holding the recorder
     in use."""
     current: list[Recorder | None] = [None]
-    select, accept = tokentree.TreeDraft.select, tree_methods.TreeProposer.accept
+    ranked, accept = tokentree.TreeDraft.ranked, tree_methods.TreeProposer.accept
 
-    def recorded_select(draft, budget, max_depth, cost=None):
-        tree = select(draft, budget, max_depth, cost)
-        current[0].selected(draft, budget, max_depth, len(tree))
-        return tree
+    def recorded_ranked(draft, budget, max_depth):
+        out = ranked(draft, budget, max_depth)
+        current[0].ranked(draft, out)
+        return out
 
     def recorded_accept(proposer, tree, path):
         current[0].record(len(tree), path)
         return accept(proposer, tree, path)
 
-    tokentree.TreeDraft.select = recorded_select
+    tokentree.TreeDraft.ranked = recorded_ranked
     tree_methods.TreeProposer.accept = recorded_accept
     return current
 

@@ -33,9 +33,7 @@ from pathlib import Path
 
 import torch
 
-from ..decoding.async_engine import primed_caches
-from ..decoding.engine import sync_device
-from ..decoding.packed import keep_prefix, packed_draft
+from ..decoding.async_engine import round_passes
 from ..errors import D3DError
 
 PASSES = ("verify", "draft", "packed", "pick")
@@ -122,27 +120,9 @@ def gpu_profile(path: str | Path) -> dict:
 def measure_passes(model, drafter, threads: list[int], context: int = 256, repeats: int = 5) -> tuple[dict, float]:
     """({pass: {threads: seconds}}, seconds of verify and the packed pass at once with half of the threads
     each): the fastest of `repeats`, passes and thread counts taking turns, every cache rolled back after."""
-    B = drafter.block_size
-    device = next(model.parameters()).device
-    text = primed_caches(model, drafter, context, B)
-    context = len(text)
-    V = torch.zeros(1, B, dtype=torch.long, device=device)
-    slots = torch.zeros(B, drafter.args.dim, device=drafter.draft_ids.device, dtype=drafter.output.weight.dtype)
-
-    def verify() -> None:
-        model(V)
-        sync_device(device)
-        model.rollback(context)
-
-    def draft(turn: int = 0) -> None:
-        text[-1] = 1 + turn % 2  # a new last token: the draft feeds it, as in a round
-        drafter.draft_block(text)
-        keep_prefix(drafter, context - 1)
-
-    def packed() -> None:
-        packed_draft(drafter, [0] * B, None, B, apply_head=False)
-        sync_device(drafter.draft_ids.device)
-        keep_prefix(drafter, context - 1)
+    passes = round_passes(model, drafter, context, drafter.block_size)
+    slots = torch.zeros(drafter.block_size, drafter.args.dim, device=drafter.draft_ids.device,
+                        dtype=drafter.output.weight.dtype)
 
     def pick() -> None:
         drafter.head(slots[1:])
@@ -160,15 +140,15 @@ def measure_passes(model, drafter, threads: list[int], context: int = 256, repea
             for turn in range(repeats + 1):  # the first turn warms up, untimed
                 for n in threads:
                     torch.set_num_threads(n)
-                    got = {"verify": timed(verify), "draft": timed(draft, turn), "packed": timed(packed),
-                           "pick": timed(pick)}
+                    got = {"verify": timed(passes.verify), "draft": timed(passes.draft, turn),
+                           "packed": timed(passes.packed), "pick": timed(pick)}
                     if turn:
                         for name, s in got.items():
                             costs[name][n].append(s)
                 torch.set_num_threads(max(1, max(threads) // 2))
                 t0 = time.perf_counter()
-                fut = pool.submit(packed)
-                verify()
+                fut = pool.submit(passes.packed)
+                passes.verify()
                 fut.result()
                 if turn:
                     both.append(time.perf_counter() - t0)

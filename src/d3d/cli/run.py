@@ -192,12 +192,12 @@ def _bench_batched(args, levels, model, tok, model_dir, runs, options, params, p
     from ..atomic import atomic_write_json
     from ..bench.batched import format_levels, run_batched
     from ..bench.harness import machine_info
-    from ..corpus.prompts import MultiTurn, encode_prompt
+    from ..corpus.prompts import encode_prompt, first_turn
     from ..decoding.engine import validate_request
     from ..methods.catalog import make_runner
     from ..server.loadtest_throughput import throughput_plot
 
-    firsts = [[i.turns[0] if isinstance(i, MultiTurn) else i for i in items] for items in prompts.values()]
+    firsts = [[first_turn(i) for i in items] for items in prompts.values()]
     texts = [f[j] for j in range(max(map(len, firsts))) for f in firsts if j < len(f)]  # benchmarks in turn
     ids = [encode_prompt(tok, t, args.raw) for t in texts]
     for i in ids:

@@ -23,6 +23,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
+from typing import Callable
 
 import torch
 
@@ -265,20 +266,53 @@ def generate_async(model, tokenizer, prompt_ids: list[int], params: SamplingPara
     return AsyncGenerationResult.of(res, proposer.stats)
 
 
+@dataclass
+class RoundPasses:
+    """The passes of one round, for timing them (round_costs, d3d.bench.async_model): each leaves the caches as
+    round_passes set them up. verify: the target over a block; draft(turn): a synchronous draft after the text
+    (its last token changes with `turn`, so every draft feeds it again, as in a round); packed: the packed pass
+    of every acceptance count's successor blocks."""
+
+    verify: Callable[[], None]
+    draft: Callable[[int], None]
+    packed: Callable[[], None]
+
+
 @torch.no_grad()
-def primed_caches(model, drafter: Drafter, context: int, slots: int) -> list[int]:
-    """Set up the target's and the drafter's caches for timing rounds after `context` cached tokens (fewer
-    where a model's context is shorter): the target holds them all, the drafter all but the last (the pending
-    token a round feeds). Returns that text (zeros)."""
+def round_passes(model, drafter: Drafter, context: int, slots: int) -> RoundPasses:
+    """RoundPasses after `context` cached tokens (fewer where a model's context is shorter): the target's cache
+    holds them all, the drafter's all but the last (the pending token a round feeds); successor blocks of
+    `slots` slots."""
     B = drafter.block_size
+    device, draft_device = next(model.parameters()).device, drafter.draft_ids.device
     context = max(2, min(context, model.args.max_seq_len - B - 1, drafter.args.max_seq_len - B - B * slots - 2))
     text = [0] * context
     model.setup_cache(1, context + B + 1)
-    model(torch.zeros(1, context, dtype=torch.long, device=next(model.parameters()).device))
+    model(torch.zeros(1, context, dtype=torch.long, device=device))
     drafter.setup_cache(1, context + B + B * slots + 2)
     drafter.cached_tokens = []
     drafter.extend(text[:-1])
-    return text
+    V = torch.zeros(1, B, dtype=torch.long, device=device)
+
+    @torch.no_grad()
+    def verify() -> None:
+        model(V)
+        sync_device(device)
+        model.rollback(context)
+
+    @torch.no_grad()
+    def draft(turn: int) -> None:
+        text[-1] = 1 + turn % 2
+        drafter.draft_block(text)
+        keep_prefix(drafter, context - 1)
+
+    @torch.no_grad()
+    def packed() -> None:
+        packed_draft(drafter, [0] * B, None, slots, apply_head=False)
+        sync_device(draft_device)
+        keep_prefix(drafter, context - 1)
+
+    return RoundPasses(verify, draft, packed)
 
 
 @torch.no_grad()
@@ -290,30 +324,15 @@ def round_costs(model, drafter: Drafter, split_threads: bool, context: int = 256
     the packed pass drafts every outcome's successor in the worker thread, with half of the threads each
     where `split_threads` (one CPU). Both after `context` cached tokens (fewer where a model's context is
     shorter); every cache is rolled back after."""
-    B, S = drafter.block_size, slots or drafter.block_size
-    device, draft_device = next(model.parameters()).device, drafter.draft_ids.device
-    text = primed_caches(model, drafter, context, S)
-    context = len(text)
-    V = torch.zeros(1, B, dtype=torch.long, device=device)
-
-    def verify() -> None:
-        model(V)
-        sync_device(device)
-        model.rollback(context)
+    passes = round_passes(model, drafter, context, slots or drafter.block_size)
 
     def sync_round(turn: int) -> None:
-        text[-1] = 1 + turn % 2  # a new last token: the draft feeds it, as in a round
-        drafter.draft_block(text)
-        keep_prefix(drafter, context - 1)
-        verify()
+        passes.draft(turn)
+        passes.verify()
 
     def overlap_round(pool: ThreadPoolExecutor) -> None:
-        def packed() -> None:
-            packed_draft(drafter, [0] * B, None, S, apply_head=False)
-            sync_device(draft_device)
-            keep_prefix(drafter, context - 1)
-        fut = pool.submit(packed)
-        verify()
+        fut = pool.submit(passes.packed)
+        passes.verify()
         fut.result()
 
     times: dict[str, list[float]] = {"sync": [], "overlap": []}

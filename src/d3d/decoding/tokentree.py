@@ -115,15 +115,20 @@ class TreeDraft:
             out.append(node)
         return out
 
+    def ranked(self, budget: int, max_depth: int) -> list[int]:
+        """The nodes `select` may keep, best first: each score capped at its parent's, at most max_depth deep, the
+        `budget` - 1 best (ties to the shallower node)."""
+        for n in self.nodes[1:]:
+            n.score = min(n.score, self.nodes[n.parent].score)
+        order = sorted(range(1, len(self.nodes)), key=lambda i: (-self.nodes[i].score, self.nodes[i].depth, i))
+        return [i for i in order if self.nodes[i].depth <= max_depth][:max(0, budget - 1)]
+
     def select(self, budget: int, max_depth: int, cost: "WidthCost | None" = None) -> TokenTree:
         """The best nodes (root included, none deeper than max_depth) as a flat tree: the `budget` best, or,
         given the cost of a target forward by width, the best prefix of those by expected tokens per second
         (see WidthCost.best_width). A child never scores above its parent and ties go to the shallower node,
         so the kept set is ancestor-closed."""
-        for n in self.nodes[1:]:
-            n.score = min(n.score, self.nodes[n.parent].score)
-        order = sorted(range(1, len(self.nodes)), key=lambda i: (-self.nodes[i].score, self.nodes[i].depth, i))
-        fits = [i for i in order if self.nodes[i].depth <= max_depth][:max(0, budget - 1)]
+        fits = self.ranked(budget, max_depth)
         if cost is not None:
             fits = fits[:cost.best_width([self.nodes[i].score for i in fits]) - 1]
         kept = [0] + fits
