@@ -197,6 +197,7 @@ def run_throughput(cfg: LoadTest, methods: list[str], levels: tuple[int, ...] = 
     most clients)."""
     from ..runtime.checkpoints import resolve_target
     from ..runtime.kernels import runtime_info
+    from ..bench.harness import git_commit
     from ..runtime.loading import load_tokenizer
     from .loadtest_hold import long_text
 
@@ -205,7 +206,8 @@ def run_throughput(cfg: LoadTest, methods: list[str], levels: tuple[int, ...] = 
     long = long_text(lambda t: tok.encode(t), cfg.long_prompt_tokens, prompts)
     out = {"phase": "throughput", "target": cfg.target, "max_tokens": cfg.max_tokens, "threads": cfg.threads,
            "requests": len(prompts), "concurrency": list(levels), "max_batch": max_batch or max(levels),
-           "quantize": cfg.quantize, "runtime": runtime_info(quantized=cfg.quantize is not None), "servers": {}}
+           "quantize": cfg.quantize, "runtime": runtime_info(quantized=cfg.quantize is not None),
+           **dict(zip(("git_commit", "git_dirty"), git_commit())), "servers": {}}
     for name in [*methods, *(["llama.cpp"] if llama_cpp else [])]:
         with tempfile.TemporaryFile() as log:
             if name == "llama.cpp":
