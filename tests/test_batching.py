@@ -123,6 +123,48 @@ def test_concurrent_greedy_answers_are_the_solo_answers(smol, prompt_ids, ar_tok
         assert sum(a > 1 for res in results for a in res.acceptance_lengths) > 0  # drafts were accepted
 
 
+@pytest.mark.parametrize("method", ["ar", "lookup-tree", "d3d"])
+def test_a_slot_feeds_only_what_follows_the_prefix_its_cache_holds(smol, prompt_ids, ar_tokens, method):
+    """A prompt on a slot starts after its common prefix with the tokens the slot's KV cache holds from the
+    last generation there (the chat template's system turn; the same prompt again, all but its last token; an
+    earlier turn and the start of its answer, which plain and chain decoding feed in order; a tree's rows are
+    not held), and answers as alone."""
+    model, tok, model_dir = smol
+    scheduler = Scheduler(model, 1, max_len=512, prefill_chunk=16, short_prompt=0, idle_chunks=1)
+    n = 24
+
+    def run(ids):
+        slot = scheduler.acquire()
+        try:
+            before = scheduler.reused
+            res = make_runner(method, slot, tok, model_dir, learn=False)(ids, params=SamplingParams(), max_new_tokens=n)
+            return res, scheduler.reused - before
+        finally:
+            scheduler.release(slot.slot)
+
+    a, b = prompt_ids[0], prompt_ids[1]
+    common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert common > 8  # the chat template's system turn
+    try:
+        first, reused = run(a)
+        assert reused == 0
+        second, reused = run(b)
+        assert reused == common
+        third, reused = run(a)
+        assert reused == common
+        fourth, reused = run(a)
+        assert reused == len(a) - 1
+        turn = a + first.token_ids[:6]
+        fifth, reused = run(turn)
+        assert reused == (len(a) if method == "lookup-tree" else len(turn) - 1)  # a tree's rows are not held
+    finally:
+        scheduler.stop()
+    for ids, res in [(a, first), (b, second), (a, third), (a, fourth), (turn, fifth)]:
+        assert res.token_ids == ar_tokens(ids, n)
+    if method != "ar":
+        assert sum(a > 1 for res in (first, second, third, fourth, fifth) for a in res.acceptance_lengths) > 0
+
+
 def test_a_prompt_is_fed_in_chunks_and_can_be_stopped(smol, prompt_ids):
     model, tok, _ = smol
     scheduler = Scheduler(model, 2, max_len=512, prefill_chunk=8, short_prompt=0, idle_chunks=1)

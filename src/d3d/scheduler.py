@@ -11,6 +11,14 @@ Long prompts are fed in chunks of about `prefill_chunk` tokens, one chunk per fo
 `short_prompt` tokens, a question, whole), so the running generations keep decoding beside a prompt being read;
 a check between chunks (cancellation, deadline) stops a prompt within one chunk.
 
+Prompt prefix reuse (llama.cpp's server keeps a slot's last prompt the same way; vLLM and SGLang share prefixes
+across requests): a slot's KV cache outlives its generation, and the scheduler keeps the tokens whose K/V it holds
+at positions 0, 1, ... (`held`: prompts and tokens fed in order; a tree's rows, a rollback or a move cut it
+there). A new prompt on the slot feeds only what follows its longest common prefix with them (the chat
+template's system turn, an earlier turn of the same conversation), at least its last token. Rows are computed
+independently of the rows beside them, so reused K/V are the bits a fresh prefill writes and the output is
+unchanged.
+
 Load-aware speculation: each generation's last decoding forward width and the tokens it committed with it are
 kept (`load`; a prompt chunk counts as a one-token step: its rows are work the batch does whatever the others
 draft, and it decodes soon), so a method choosing how many tokens to verify (the tree methods' WidthCost) can
@@ -62,6 +70,7 @@ class SlotModel:
         self.check = None  # called before each prompt chunk: raises to stop (set by the server per request)
         self.width, self.gain, self.start = 0, 0, 0  # the last forward: its width and the tokens it committed
         self.joined = False  # handed in a forward: from then on every forward waits for this generation's next
+        self.held = scheduler.held[slot]  # the tokens whose K/V the slot holds at positions 0.. (see the module doc)
 
     def __getattr__(self, name):
         return getattr(self.base_model, name)
@@ -78,8 +87,11 @@ class SlotModel:
             raise ValueError(f"cannot roll back to {length} (cache holds {self.cache_len})")
         self.cache_len = length
         self.gain = max(0, length - self.start)
+        del self.held[length:]
 
     def move_cache_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        if dst.numel():
+            del self.held[int(dst.min()):]
         self.scheduler.batch.move_rows(self.slot, src, dst)
 
     def batch_load(self) -> tuple[int, float]:
@@ -96,8 +108,9 @@ class SlotModel:
         if tokens.dim() != 2 or tokens.shape[0] != 1:
             raise D3DError("a batch slot runs one sequence [1, T]")
         T, keep = tokens.shape[1], 1 if last_only else logits_to_keep
-        if mask is None and positions is None and T > self.scheduler.prefill_chunk:  # a prompt: piece by piece
-            out, a = [], 0
+        a = self._reuse(tokens[0], keep) if mask is None and positions is None and keep and not self.cache_len else 0
+        if mask is None and positions is None and T - a > self.scheduler.prefill_chunk:  # a prompt: piece by piece
+            out = []
             while a < T:
                 if self.check is not None:
                     self.check()
@@ -107,19 +120,38 @@ class SlotModel:
             return (out[-1] if keep else torch.cat(out))[None]
         if positions is not None:
             positions = positions.reshape(T)
-        return self._run(tokens[0], mask, positions, keep)[None]
+        return self._run(tokens[0, a:], mask, positions, keep, rest=T - a if a else 0)[None]
+
+    def _reuse(self, prompt: torch.Tensor, keep: int) -> int:
+        """Start a prompt after its longest common prefix with the slot's held tokens (keeping at least the
+        `keep` rows whose logits are asked for): the tokens reused."""
+        held = torch.tensor(self.held[:prompt.shape[0] - keep], dtype=prompt.dtype, device=prompt.device)
+        differ = (held != prompt[:held.shape[0]]).nonzero()
+        n = int(differ[0]) if differ.numel() else held.shape[0]
+        del self.held[n:]
+        self.cache_len = n
+        with self.scheduler.cond:
+            self.scheduler.reused += n
+        return n
 
     def _run(self, tokens: torch.Tensor, mask, positions, keep: int, rest: int = 0) -> torch.Tensor:
         T, start = tokens.shape[0], self.cache_len
         if start + T > self.cache_size:
             raise D3DError(f"sequence of {start + T} tokens exceeds the KV cache ({self.cache_size})")
+        del self.held[start:]  # rows written from `start` on: the held tokens end there, or go on with these
+        if positions is None and mask is None:
+            self.held.extend(tokens.tolist())
         if positions is None:
             positions = torch.arange(start, start + T, device=tokens.device)
         if mask is not None:
             mask = mask.reshape(T, start + T).to(torch.bool)
         prompt = keep and T > 1
-        logits = self.scheduler.submit(Segment(self.slot, tokens, start, positions, mask, min(keep, T)),
-                                       rest or (T if prompt else 0))
+        try:
+            logits = self.scheduler.submit(Segment(self.slot, tokens, start, positions, mask, min(keep, T)),
+                                           rest or (T if prompt else 0))
+        except BaseException:
+            del self.held[start:]
+            raise
         self.cache_len, self.start = start + T, start
         # the load others weigh a round against (Scheduler.load): a prompt chunk counts as a one-token step there
         self.width = 0 if prompt else T
@@ -151,6 +183,8 @@ class Scheduler:
         self.last_batch = 0        # generations in it
         self.last_drafts = 0       # tokens verified beyond each generation's pending one (its draft budget in use)
         self.rows = 0              # rows fed in all
+        self.reused = 0            # prompt tokens not fed: their K/V were already in the slot (see the module doc)
+        self.held: list[list[int]] = [[] for _ in range(max_batch)]
         self.stopped = False
         self.thread = threading.Thread(target=self._loop, name="d3d-scheduler", daemon=True)
         self.thread.start()

@@ -91,6 +91,9 @@ class Metrics:
                           "the batch's load.", [("", sch.last_drafts)])
             out += metric("d3d_batched_forwards_total", "counter", "Batched target forwards.", [("", sch.forwards)])
             out += metric("d3d_batch_rows_total", "counter", "Tokens fed by all batched forwards.", [("", sch.rows)])
+            out += metric("d3d_prompt_tokens_reused_total", "counter", "Prompt tokens not fed: their K/V were "
+                          "already in the request's cache slot (a common prefix with the slot's last sequence).",
+                          [("", sch.reused)])
         out += metric("d3d_worker_alive", "gauge", "1 while the generation worker thread runs.",
                       [("", int(worker.alive))])
         return "\n".join(out) + "\n"
