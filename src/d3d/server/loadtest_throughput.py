@@ -2,9 +2,10 @@
 
 For each server (d3d serve with each of `methods`, started with --no-learn so that no answer is drafted from an
 earlier one, and --max-batch; then llama.cpp's own server on the same weights, where llama-cpp-python[server] is
-installed) and each number of clients in `concurrency`, every client sends streamed greedy chat requests, one
-after the other, from one shared list of distinct prompts (unseen benchmark questions: code, chat, math) until
-the list is done. Reported per level: aggregate completion tokens per second (all tokens over the wall time of
+installed) and each number of clients in `concurrency`, on a server started for that level (both servers reuse a
+slot's cached prompt prefix, so a level must not follow another on one server), every client sends streamed
+greedy chat requests, one after the other, from one shared list of distinct prompts (unseen benchmark questions:
+code, chat, math) until the list is done. Reported per level: aggregate completion tokens per second (all tokens over the wall time of
 the level), per-request decode tokens/s (tokens after the first over the time after the first), time to first
 token p50 / p95, and the status codes. Every answer at more than one client is compared with the same server's
 answer at one client (its solo answer): `identical_to_solo`. Then, on d3d's servers, `long_prompt_ttft`: short
@@ -27,6 +28,7 @@ from .loadtest_base import Endpoint, LoadTest, free_port, percentile, scan_log, 
 CONCURRENCY = (1, 2, 4, 8)
 SHORT_PROMPTS = ["What is the capital of France? Answer briefly.", "List three primary colors.",
                  "What is 17 * 23?", "Name a planet.", "Say hello in Spanish.", "What is the opposite of cold?"]
+WARM_UP = "Count from one to five."  # a server's first request, in no list of prompts
 
 
 def throughput_prompts(n: int) -> list[str]:
@@ -148,14 +150,9 @@ def d3d_server(cfg: LoadTest, method: str, max_batch: int, log) -> tuple[subproc
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), port
 
 
-def llama_cpp_server(cfg: LoadTest, log) -> tuple[subprocess.Popen, int, str] | None:
+def llama_cpp_server(cfg: LoadTest, log) -> tuple[subprocess.Popen, int, str]:
     """llama-cpp-python's OpenAI server on the target's weights as a GGUF in the precision d3d serves (F32; with
-    --quantize int8 Q8_0; with int4 the target's own 4-bit file where it comes from one, else Q4_0), or None
-    where llama-cpp-python[server] is not installed."""
-    try:
-        import llama_cpp.server  # noqa: F401
-    except ImportError:
-        return None
+    --quantize int8 Q8_0; with int4 the target's own 4-bit file where it comes from one, else Q4_0)."""
     from ..methods.llamacpp import reference_gguf
     from ..runtime.checkpoints import resolve_target
     from ..runtime.gguf_load import target_gguf
@@ -170,23 +167,36 @@ def llama_cpp_server(cfg: LoadTest, log) -> tuple[subprocess.Popen, int, str] | 
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), port, gguf.name
 
 
-def measure_server(ep: Endpoint, proc, prompts: list[str], cfg: LoadTest, levels: tuple[int, ...],
-                   long_prompt: tuple[str, int] | None, health: str = "/health") -> dict:
-    wait_healthy(ep, proc, path=health)
-    stream_chat(ep, prompts[0], 8)  # warm-up: kernels, caches, the first allocation
+def measure_server(start, prompts: list[str], cfg: LoadTest, levels: tuple[int, ...],
+                   long_prompt: tuple[str, int] | None, logs: list[str], health: str = "/health") -> dict:
+    """Each level on a server of its own: `start(log)` -> (process, endpoint), stopped after the level, its output
+    appended to `logs`. d3d's server and llama.cpp's keep a slot's last prompt and feed only what follows its
+    common prefix with the next, so on one server a level would find the prompts of the levels before it cached.
+    The long-prompt phase runs on the last level's server."""
     out, solo = {"levels": []}, None
-    for clients in levels:
-        summary, records = run_level(ep, prompts, clients, cfg.max_tokens)
-        if solo is None:
-            solo = records
-        else:
-            summary["identical_to_solo"] = sum(r["text"] == s["text"] and r["tokens"] == s["tokens"]
-                                               for r, s in zip(records, solo) if r["status"] == 200)
-        out["levels"].append(summary)
-        print(json.dumps(summary), file=sys.stderr, flush=True)
-    if long_prompt:
-        out["long_prompt_ttft"] = long_prompt_ttft(ep, *long_prompt)
-        print(json.dumps(out["long_prompt_ttft"]), file=sys.stderr, flush=True)
+    for i, clients in enumerate(levels):
+        with tempfile.TemporaryFile() as log:
+            proc, ep = start(log)
+            try:
+                wait_healthy(ep, proc, path=health)
+                stream_chat(ep, WARM_UP, 8)  # kernels, caches, the first allocation; a prompt the level does not send
+                summary, records = run_level(ep, prompts, clients, cfg.max_tokens)
+                if solo is None:
+                    solo = records
+                else:
+                    summary["identical_to_solo"] = sum(r["text"] == s["text"] and r["tokens"] == s["tokens"]
+                                                       for r, s in zip(records, solo) if r["status"] == 200)
+                out["levels"].append(summary)
+                print(json.dumps(summary), file=sys.stderr, flush=True)
+                if long_prompt and i == len(levels) - 1:
+                    out["long_prompt_ttft"] = long_prompt_ttft(ep, *long_prompt)
+                    print(json.dumps(out["long_prompt_ttft"]), file=sys.stderr, flush=True)
+                out["rss_mb"] = max(out.get("rss_mb") or 0, ep.rss_mb() or 0) or None
+            finally:
+                proc.terminate()
+                proc.wait(30)
+                log.seek(0)
+                logs.append(log.read().decode(errors="replace"))
     return out
 
 
@@ -209,33 +219,33 @@ def run_throughput(cfg: LoadTest, methods: list[str], levels: tuple[int, ...] = 
            "quantize": cfg.quantize, "runtime": runtime_info(quantized=cfg.quantize is not None),
            **dict(zip(("git_commit", "git_dirty"), git_commit())), "servers": {}}
     for name in [*methods, *(["llama.cpp"] if llama_cpp else [])]:
-        with tempfile.TemporaryFile() as log:
+        if name == "llama.cpp":
+            try:
+                import llama_cpp.server  # noqa: F401
+            except ImportError:
+                out["servers"][name] = {"skipped": "needs llama-cpp-python[server]: pip install "
+                                                   "'llama-cpp-python[server]==0.3.36'"}
+                continue
+        gguf, logs = [], []
+
+        def start(log, name=name):
             if name == "llama.cpp":
-                started = llama_cpp_server(cfg, log)
-                if started is None:
-                    out["servers"][name] = {"skipped": "needs llama-cpp-python[server]: pip install "
-                                                       "'llama-cpp-python[server]==0.3.36'"}
-                    continue
-                proc, port, gguf = started
+                proc, port, file = llama_cpp_server(cfg, log)
+                gguf[:] = [file]
             else:
                 proc, port = d3d_server(cfg, name, max_batch or max(levels), log)
-            ep = Endpoint("127.0.0.1", port, None, proc.pid)
-            try:
-                if name == "llama.cpp":
-                    result = measure_server(ep, proc, prompts, cfg, levels, None, health="/v1/models")
-                    result["gguf"] = gguf
-                else:
-                    result = measure_server(ep, proc, prompts, cfg, levels, long)
-                result["rss_mb"] = ep.rss_mb()
-            except (D3DError, OSError) as e:  # one server that fails does not lose the others' figures
-                result = {"error": f"{type(e).__name__}: {e}"}
-            finally:
-                proc.terminate()
-                proc.wait(30)
-                log.seek(0)
-                text = log.read().decode(errors="replace")
-            result["server_log"] = scan_log(text)
-            out["servers"][name] = result
+            return proc, Endpoint("127.0.0.1", port, None, proc.pid)
+
+        try:
+            if name == "llama.cpp":
+                result = measure_server(start, prompts, cfg, levels, None, logs, health="/v1/models")
+                result["gguf"] = gguf[0]
+            else:
+                result = measure_server(start, prompts, cfg, levels, long, logs)
+        except (D3DError, OSError) as e:  # one server that fails does not lose the others' figures
+            result = {"error": f"{type(e).__name__}: {e}"}
+        result["server_log"] = scan_log("\n".join(logs))
+        out["servers"][name] = result
     return out
 
 
