@@ -293,6 +293,22 @@ def test_prompts_take_wider_forwards_while_nothing_decodes():
         scheduler.stop()
 
 
+def test_a_fitted_prompt_chunk_shrinks_as_the_cached_prompt_grows():
+    """Each row of a chunk attends to every cached position: deep in a long prompt the chunk is cut (by 16s, to
+    16 at least) so that its forward costs no more than the whole budget at the prompt's start."""
+    from d3d.decoding.treecost import WidthCost
+
+    scheduler = Scheduler(tiny_model(), 2, max_len=64, prefill_chunk=64, idle_chunks=1)
+    try:
+        assert scheduler.attention_s == 0.0  # a chunk given, not fitted: it is what it was asked to be
+        assert scheduler.prompt_budget(None, context=1000) == 64
+        scheduler.curve = {1: 0.01, 16: 0.02, 64: 0.05}
+        scheduler.cost, scheduler.attention_s = WidthCost(scheduler.curve), 1e-5
+        assert [scheduler.prompt_budget(None, c) for c in (0, 10, 100, 10_000)] == [64, 48, 16, 16]
+    finally:
+        scheduler.stop()
+
+
 def test_the_load_counts_a_prompt_chunk_as_a_one_token_step():
     """A prompt chunk's rows are work the batch does whatever the others draft: in the load the other generations
     weigh their drafts against it counts as a one-token step (it decodes soon), not as its width; a decoding
