@@ -162,8 +162,8 @@ def _serve(sub) -> None:
                    help="refuse (400) prompts of over N tokens (default: what the context window allows)")
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="process prompts N tokens per forward, checking cancellation and deadline between "
-                        "chunks (default 256; in a batch the widest chunk that adds about 0.25 s to a forward, so "
-                        "that running requests keep streaming)")
+                        "chunks (default 256; in a batch the widest chunk that adds about 0.25 s to a forward, "
+                        "narrower deep in a long prompt, so that running requests keep streaming)")
     p.add_argument("--max-batch", type=int, default=8, metavar="N",
                    help="decode up to N requests together in batched forwards, joining and leaving between "
                         "rounds (continuous batching), with each round's drafts sized for the whole batch; "
