@@ -756,6 +756,11 @@ def test_batched_server_answers_are_the_solo_answers(env):
         assert m["d3d_max_batch"] == 3 and m["d3d_generations_total"] == 6 and m["d3d_generation_running"] == 0
         assert 0 < m["d3d_batched_forwards_total"] < 6 * MAX  # forwards were shared
         assert client.request("GET", "/health")[1]["max_batch"] == 3
+        status, again = client.post("/v1/chat/completions", chat(PROMPT_A))  # a lane that holds PROMPT_A's prefix
+        cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert status == 200 and again["choices"][0]["message"]["content"] == refs[PROMPT_A].text
+        assert 0 < cached < again["usage"]["prompt_tokens"]
+        assert client.metrics()["d3d_prompt_tokens_reused_total"] >= cached
 
 
 @pytest.fixture(scope="module")

@@ -74,6 +74,7 @@ class SlotModel:
         self.width, self.gain, self.start = 0, 0, 0  # the last forward: its width and the tokens it committed
         self.joined = False  # handed in a forward: from then on every forward waits for this generation's next
         self.held = scheduler.held[slot]  # the tokens whose K/V the slot holds at positions 0.. (see the module doc)
+        self.reused = 0  # prompt tokens of this generation not fed: their K/V were held
 
     def __getattr__(self, name):
         return getattr(self.base_model, name)
@@ -83,7 +84,7 @@ class SlotModel:
             raise D3DError("a batch slot holds one sequence")
         if max_len is not None and max_len > self.cache_size:
             raise D3DError(f"sequence of {max_len} tokens exceeds the batch's KV cache ({self.cache_size})")
-        self.cache_len = 0
+        self.cache_len = self.reused = 0
 
     def rollback(self, length: int) -> None:
         if not 0 <= length <= self.cache_len:
@@ -132,7 +133,7 @@ class SlotModel:
         differ = (held != prompt[:held.shape[0]]).nonzero()
         n = int(differ[0]) if differ.numel() else held.shape[0]
         del self.held[n:]
-        self.cache_len = n
+        self.cache_len = self.reused = n
         with self.scheduler.cond:
             self.scheduler.reused += n
         return n

@@ -23,6 +23,7 @@ class Done:
     result: object            # the GenerationResult
     tail: str                 # streamed requests: text held back until the end (stop strings)
     logprobs: dict | None     # plain requests: every token's logprobs, if asked for
+    cached_tokens: int = 0    # prompt tokens whose K/V were already in the request's batch slot (d3d.scheduler)
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,11 @@ from .events import Done, Round
 from .requests import FINISH
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; prompt_tokens_details.cached_tokens: the prompt tokens not fed (prefix reuse)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def sse(obj) -> str:
@@ -30,7 +32,7 @@ def completion_body(done: Done, rid: str, chat: bool, model: str, method: str, p
     choice = {"index": 0, "logprobs": done.logprobs, "finish_reason": FINISH.get(res.finish_reason, res.finish_reason)}
     choice |= {"message": {"role": "assistant", "content": res.text}} if chat else {"text": res.text}
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice], "usage": usage(prompt_tokens, res.new_tokens),
+            "model": model, "choices": [choice], "usage": usage(prompt_tokens, res.new_tokens, done.cached_tokens),
             "d3d": summary(res, method) | {"acceptance_lengths": res.acceptance_lengths}}
 
 
@@ -78,5 +80,5 @@ class StreamShaper:
                                                     "segments": [{"text": ev.tail, "draft": False}]})))
         out.append(sse(self.chunk(None, FINISH.get(res.finish_reason, res.finish_reason), d3d=summary(res, method))))
         if include_usage:
-            out.append(sse(self.base | {"choices": [], "usage": usage(prompt_tokens, res.new_tokens)}))
+            out.append(sse(self.base | {"choices": [], "usage": usage(prompt_tokens, res.new_tokens, ev.cached_tokens)}))
         return out

@@ -318,7 +318,7 @@ class Worker:
         self.metrics.generation(len(r.prompt_ids), res)
         tail = streamer.push([], final=True) if streamer is not None else ""
         lps = None if fmt is None or streamer is not None else fmt.format(res.logprobs)
-        return Done(res, tail, lps)
+        return Done(res, tail, lps, getattr(lane.model, "reused", 0))
 
 
 # ---------------------------------------------------------------------------------------------
