@@ -1,0 +1,95 @@
+"""How much of a batched run's wall time the batched target forward takes, per method.
+
+`clients` generations on one Scheduler (d3d.scheduler), as `d3d serve --max-batch` runs them, take the load test's
+unseen prompts (d3d.server.loadtest_throughput.throughput_prompts) one after the other; BatchedTarget.forward is
+timed. Where the forward takes nearly all of the time, the lanes' Python work (proposing, verifying) is not what
+bounds the batch: the rows are.
+
+    python scripts/batch_forward_share.py --methods ar,lookup-tree --clients 8 --prompts 16 \
+        --out results/batch_forward_share_smol_cpu.json
+"""
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from d3d.atomic import atomic_write_json
+from d3d.bench.harness import machine_info
+from d3d.corpus.prompts import encode_prompt
+from d3d.decoding.verify import SamplingParams
+from d3d.methods.catalog import make_runner
+from d3d.runtime.loading import load_target
+from d3d.scheduler import Scheduler
+from d3d.server.loadtest_throughput import throughput_prompts
+
+
+def run(model, tok, model_dir, method: str, prompts: list[list[int]], clients: int, max_new_tokens: int) -> dict:
+    scheduler = Scheduler(model, clients)
+    forward, in_forward = scheduler.batch.forward, [0.0]
+
+    def timed(segments):
+        t0 = time.perf_counter()
+        try:
+            return forward(segments)
+        finally:
+            in_forward[0] += time.perf_counter() - t0
+
+    scheduler.batch.forward = timed
+    slots = [scheduler.acquire() for _ in range(clients)]
+    runners = [make_runner(method, slot, tok, model_dir, learn=False) for slot in slots]
+    todo, lock, tokens = list(range(len(prompts))), threading.Lock(), [0]
+
+    def client(slot, runner) -> None:
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i = todo.pop(0)
+            res = runner(prompts[i], params=SamplingParams(), max_new_tokens=max_new_tokens)
+            scheduler.leave(slot.slot)
+            with lock:
+                tokens[0] += len(res.token_ids)
+
+    forwards, rows, in_forward[0] = scheduler.forwards, scheduler.rows, 0.0
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, args=pair) for pair in zip(slots, runners)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    scheduler.stop()
+    n = scheduler.forwards - forwards
+    return {"tokens_per_s": round(tokens[0] / wall, 2), "wall_s": round(wall, 2), "forwards": n,
+            "rows_per_forward": round((scheduler.rows - rows) / max(1, n), 2),
+            "forward_s": round(in_forward[0], 2), "forward_share": round(in_forward[0] / wall, 3),
+            "ms_per_forward": round(1e3 * in_forward[0] / max(1, n), 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default=None, help="a target name or path (default: the embedded SmolLM2)")
+    ap.add_argument("--methods", default="ar,lookup-tree")
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tok, model_dir = load_target(args.target)
+    prompts = [encode_prompt(tok, p) for p in throughput_prompts(args.prompts)]
+    out = {"machine": machine_info("cpu"), "command": "python scripts/batch_forward_share.py " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None), "methods": {}}
+    for method in args.methods.split(","):
+        out["methods"][method] = run(model, tok, model_dir, method, prompts, args.clients, args.max_new_tokens)
+        print(method, out["methods"][method], flush=True)
+    atomic_write_json(Path(args.out), out)
+
+
+if __name__ == "__main__":
+    main()
