@@ -112,8 +112,9 @@ class SlotModel:
         if tokens.dim() != 2 or tokens.shape[0] != 1:
             raise D3DError("a batch slot runs one sequence [1, T]")
         T, keep = tokens.shape[1], 1 if last_only else logits_to_keep
-        a = self._reuse(tokens[0], keep) if mask is None and positions is None and keep and not self.cache_len else 0
-        if mask is None and positions is None and T - a > self.scheduler.prefill_chunk:  # a prompt: piece by piece
+        linear = mask is None and positions is None
+        a = self._reuse(tokens[0], keep) if linear and keep and not self.cache_len else 0
+        if linear and T - a > self.scheduler.prefill_chunk:  # a prompt: piece by piece
             out = []
             while a < T:
                 if self.check is not None:

@@ -36,6 +36,7 @@ constexpr int64_t NIBBLES = SUPER * LANES / 2;        // weight bytes per 16 out
 constexpr int64_t SCALES = 2 * GROUPS * LANES;        // sc and m bytes per 16 outputs and super-block
 constexpr int64_t FACTORS = 2 * LANES;                // d and dmin per 16 outputs and super-block
 constexpr int64_t MBLOCK = 4;
+constexpr int64_t ROWS = 16;  // rows per pass at most where 4-bit products take more than MBLOCK rows (AVX2)
 
 inline const char* q4_path() {
 #if D3D_Q4_PATH == 2
@@ -81,6 +82,21 @@ inline void add_scaled(const int32x4_t (*acc)[4], const uint8_t* sc, int32_t mul
 }
 #endif
 
+#if D3D_Q4_PATH == 2
+// A group's nibbles (4 pairs of steps, 256 bytes) as bytes: wv[p] = step 2p outputs 0-7, 8-15, step 2p + 1 the same.
+inline void unpack_group(const uint8_t* w, __m256i (*wv)[4]) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int64_t p = 0; p < 4; ++p) {
+    const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 64));
+    const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 64 + 32));
+    wv[p][0] = _mm256_and_si256(r0, low);
+    wv[p][1] = _mm256_and_si256(r1, low);
+    wv[p][2] = _mm256_and_si256(_mm256_srli_epi16(r0, 4), low);
+    wv[p][3] = _mm256_and_si256(_mm256_srli_epi16(r1, 4), low);
+  }
+}
+#endif
+
 // A[i][l] += mult * sc[l] * (sum over the group's 32 k of x[i * stride + k] * nibble(output l, k)), for rows
 // i < mb; w: the group's 4 pairs of steps in one plane (256 bytes); sc: the group's 16 scales.
 template <int64_t mb>
@@ -91,16 +107,8 @@ inline void group_add(const int8_t* x, int64_t stride, const uint8_t* w, const u
   // multiplies each output's two int16 sums by its scale and adds them in int32. The group's nibbles are
   // unpacked once into `wv` (L1), then each row runs on its own accumulators: with all rows' accumulators and
   // the unpacked weights live at once the compiler spilled registers inside the loop.
-  const __m256i low = _mm256_set1_epi8(0x0F);
   alignas(32) __m256i wv[4][4];
-  for (int64_t p = 0; p < 4; ++p) {
-    const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 64));
-    const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 64 + 32));
-    wv[p][0] = _mm256_and_si256(r0, low);  // step 2p: outputs 0-7
-    wv[p][1] = _mm256_and_si256(r1, low);  // step 2p: outputs 8-15
-    wv[p][2] = _mm256_and_si256(_mm256_srli_epi16(r0, 4), low);  // step 2p + 1
-    wv[p][3] = _mm256_and_si256(_mm256_srli_epi16(r1, 4), low);
-  }
+  unpack_group(w, wv);
   const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));  // each scale twice, as int16
   const __m256i m16 = _mm256_set1_epi16(int16_t(mult));
   const __m256i s0 = _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(s8, s8)), m16);
@@ -249,8 +257,6 @@ inline void super_block_end(const int32_t* gs, float s, const uint8_t* m, const 
 // once for up to ROWS rows, then each half of the 16 outputs runs through the rows four at a time with its two
 // weight registers held: n + 4 registers live, none spilled. At 16 rows 0.76-0.83x the time of the per-row path on
 // the pair's shapes (standalone, AMD EPYC, 2 threads). The sums are integers: the bits are every other path's.
-constexpr int64_t ROWS = 16;
-
 template <int64_t n>
 inline void rows_add(const int8_t* x, int64_t stride, const __m256i (*wv)[4], __m256i s0, __m256i s1, int32_t (*A)[LANES]) {
   for (int64_t h = 0; h < 2; ++h) {
@@ -278,16 +284,8 @@ inline void rows_add(const int8_t* x, int64_t stride, const __m256i (*wv)[4], __
 // A[i][l] += sc[l] * (the group's sum for row i and output l), rows i < mb (at most ROWS).
 inline void group_add_rows(const int8_t* x, int64_t stride, int64_t mb, const uint8_t* w, const uint8_t* sc,
                            int32_t (*A)[LANES]) {
-  const __m256i low = _mm256_set1_epi8(0x0F);
   alignas(32) __m256i wv[4][4];
-  for (int64_t p = 0; p < 4; ++p) {
-    const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 64));
-    const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 64 + 32));
-    wv[p][0] = _mm256_and_si256(r0, low);
-    wv[p][1] = _mm256_and_si256(r1, low);
-    wv[p][2] = _mm256_and_si256(_mm256_srli_epi16(r0, 4), low);
-    wv[p][3] = _mm256_and_si256(_mm256_srli_epi16(r1, 4), low);
-  }
+  unpack_group(w, wv);
   const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
   const __m256i s0 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(s8, s8)), s1 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(s8, s8));
   int64_t i = 0;
@@ -299,37 +297,17 @@ inline void group_add_rows(const int8_t* x, int64_t stride, int64_t mb, const ui
   }
 }
 
-// block_out's work for 4-bit weights and rows m0 .. m0 + mb - 1 (mb <= ROWS), through group_add_rows.
-inline void block_rows(const int8_t* xq, int64_t K, const float* xs, const int32_t* xsum, const uint8_t* wq,
-                       const uint8_t* wsm, const float* wdd, int64_t nb, int64_t N, int64_t m0, int64_t mb,
-                       const float* bias, float* y) {
-  const int64_t SB = (K + SUPER - 1) / SUPER, Kp = SB * SUPER, last = (K - (SB - 1) * SUPER + GROUP - 1) / GROUP;
-  const int64_t n0 = nb * LANES, nl = std::min(LANES, N - n0);
-  float acc[ROWS][LANES] = {};
-  for (int64_t sb = 0; sb < SB; ++sb) {
-    const uint8_t* q = wq + (nb * SB + sb) * NIBBLES;
-    const uint8_t* sc = wsm + (nb * SB + sb) * SCALES;
-    const float* d = wdd + (nb * SB + sb) * FACTORS;
-    alignas(32) int32_t A[ROWS][LANES] = {};
-    for (int64_t g = 0; g < (sb + 1 < SB ? GROUPS : last); ++g)
-      group_add_rows(xq + m0 * Kp + sb * SUPER + g * GROUP, Kp, mb, q + g * 256, sc + g * LANES, A);
-    for (int64_t i = 0; i < mb; ++i)
-      super_block_end(xsum + (m0 + i) * SB * GROUPS + sb * GROUPS, xs[(m0 + i) * SB + sb], sc + GROUPS * LANES, d,
-                      d + LANES, A[i], acc[i]);
-  }
-  for (int64_t i = 0; i < mb; ++i)
-    for (int64_t l = 0; l < nl; ++l) y[(m0 + i) * N + n0 + l] = bias ? acc[i][l] + bias[n0 + l] : acc[i][l];
-}
 #endif
 
-// Outputs n0 = 16 * nb .. n0 + 15 (those below N) of rows m0 .. m0 + mb - 1 (see the top of this file).
+// Outputs n0 = 16 * nb .. n0 + 15 (those below N) of rows m0 .. m0 + rows - 1 (see the top of this file): rows
+// is mb, or with mb = ROWS (4-bit, AVX2: group_add_rows) any count up to ROWS.
 // Groups past k = K (padding: zero activations, zero weights) are skipped: they add nothing.
 template <int64_t bits, int64_t mb>
-inline void block_out(const int8_t* xq, int64_t K, const float* xs, const int32_t* xsum,
+inline void block_out(int64_t rows, const int8_t* xq, int64_t K, const float* xs, const int32_t* xsum,
                       const uint8_t* wq, const uint8_t* wsm, const float* wdd, int64_t nb, int64_t N, int64_t m0,
                       const float* bias, float* y) {
   const int64_t SB = (K + SUPER - 1) / SUPER, Kp = SB * SUPER, last = (K - (SB - 1) * SUPER + GROUP - 1) / GROUP;
-  const int64_t n0 = nb * LANES, nl = std::min(LANES, N - n0);
+  const int64_t n0 = nb * LANES, nl = std::min(LANES, N - n0), n = mb == ROWS ? rows : mb;
   float acc[mb][LANES] = {};
   for (int64_t sb = 0; sb < SB; ++sb) {
     const uint8_t* q = wq + (nb * SB + sb) * (bits / 4) * NIBBLES;
@@ -340,29 +318,34 @@ inline void block_out(const int8_t* xq, int64_t K, const float* xs, const int32_
     alignas(32) int32_t A[mb][LANES] = {};
     for (int64_t g = 0; g < (sb + 1 < SB ? GROUPS : last); ++g) {
       const int8_t* x = xq + m0 * Kp + sb * SUPER + g * GROUP;
+#if D3D_Q4_PATH == 2
+      if constexpr (bits == 4 && mb == ROWS) group_add_rows(x, Kp, n, q + g * 256, sc + g * LANES, A);
+      else
+#endif
       if constexpr (bits == 4) group_add<mb>(x, Kp, q + g * 256, sc + g * LANES, 1, A);
       else group_add8<mb>(x, Kp, q + g * 512, sc + g * LANES, A);
     }
     if constexpr (bits == 8)  // the 127 that group_add8 took out of every q: 127 * sum_g sc * sum(x)
-      for (int64_t i = 0; i < mb; ++i) {
+      for (int64_t i = 0; i < n; ++i) {
         alignas(32) int32_t C[LANES];
         group_weighted(sc, xsum + (m0 + i) * SB * GROUPS + sb * GROUPS, C);
         for (int64_t l = 0; l < LANES; ++l) A[i][l] += 127 * C[l];
       }
-    for (int64_t i = 0; i < mb; ++i)
+    for (int64_t i = 0; i < n; ++i)
       super_block_end(xsum + (m0 + i) * SB * GROUPS + sb * GROUPS, xs[(m0 + i) * SB + sb], m, d, dmin, A[i], acc[i]);
   }
-  for (int64_t i = 0; i < mb; ++i)
+  for (int64_t i = 0; i < n; ++i)
     for (int64_t l = 0; l < nl; ++l) y[(m0 + i) * N + n0 + l] = bias ? acc[i][l] + bias[n0 + l] : acc[i][l];
 }
 
 template <int64_t bits, typename... Args>
 inline void rows_out(int64_t mb, Args... args) {
   switch (mb) {
-    case 1: return block_out<bits, 1>(args...);
-    case 2: return block_out<bits, 2>(args...);
-    case 3: return block_out<bits, 3>(args...);
-    default: return block_out<bits, 4>(args...);
+    case 1: return block_out<bits, 1>(mb, args...);
+    case 2: return block_out<bits, 2>(mb, args...);
+    case 3: return block_out<bits, 3>(mb, args...);
+    case 4: return block_out<bits, 4>(mb, args...);
+    default: return block_out<bits, ROWS>(mb, args...);  // 4-bit on AVX2 only (blocks)
   }
 }
 
@@ -371,16 +354,13 @@ inline void blocks(int64_t bits, const int8_t* xq, int64_t M, int64_t K, const f
                    const uint8_t* wq, const uint8_t* wsm, const float* wdd, int64_t N, const float* bias, float* y,
                    int64_t b0, int64_t b1) {
 #if D3D_Q4_PATH == 2
-  if (bits == 4 && M > MBLOCK) {
-    for (int64_t nb = b0; nb < b1; ++nb)
-      for (int64_t m0 = 0; m0 < M; m0 += ROWS)
-        block_rows(xq, K, xs, xsum, wq, wsm, wdd, nb, N, m0, std::min(ROWS, M - m0), bias, y);
-    return;
-  }
+  const int64_t step = bits == 4 && M > MBLOCK ? ROWS : MBLOCK;
+#else
+  const int64_t step = MBLOCK;
 #endif
   for (int64_t nb = b0; nb < b1; ++nb)
-    for (int64_t m0 = 0; m0 < M; m0 += MBLOCK) {
-      const int64_t mb = std::min(MBLOCK, M - m0);
+    for (int64_t m0 = 0; m0 < M; m0 += step) {
+      const int64_t mb = std::min(step, M - m0);
       if (bits == 8) rows_out<8>(mb, xq, K, xs, xsum, wq, wsm, wdd, nb, N, m0, bias, y);
       else rows_out<4>(mb, xq, K, xs, xsum, wq, wsm, wdd, nb, N, m0, bias, y);
     }
