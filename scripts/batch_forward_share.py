@@ -3,7 +3,9 @@
 `clients` generations on one Scheduler (d3d.scheduler), as `d3d serve --max-batch` runs them, take the load test's
 unseen prompts (d3d.server.loadtest_throughput.throughput_prompts) one after the other; BatchedTarget.forward is
 timed. Where the forward takes nearly all of the time, the lanes' Python work (proposing, verifying) is not what
-bounds the batch: the rows are.
+bounds the batch: the rows are. Each forward's seconds are also fitted by least squares as a + b * rows over all
+the run's forwards (`fit`): b is what one more row (a tree node, a prompt token) costs in the batch, to set beside
+the width cost curve (one sequence, 256 cached tokens) with which the load-aware budget prices a tree's rows.
 
     python scripts/batch_forward_share.py --methods ar,lookup-tree --clients 8 --prompts 16 \
         --out results/batch_forward_share_smol_cpu.json
@@ -15,11 +17,13 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from d3d.atomic import atomic_write_json
 from d3d.bench.harness import machine_info
 from d3d.corpus.prompts import encode_prompt
+from d3d.decoding.treecost import WidthCost, measured_curve
 from d3d.decoding.verify import SamplingParams
 from d3d.methods.catalog import make_runner
 from d3d.runtime.loading import load_target
@@ -29,7 +33,7 @@ from d3d.server.loadtest_throughput import throughput_prompts
 
 def run(model, tok, model_dir, method: str, prompts: list[list[int]], clients: int, max_new_tokens: int) -> dict:
     scheduler = Scheduler(model, clients)
-    forward, in_forward = scheduler.batch.forward, [0.0]
+    forward, in_forward, each = scheduler.batch.forward, [0.0], []
 
     def timed(segments):
         t0 = time.perf_counter()
@@ -37,6 +41,7 @@ def run(model, tok, model_dir, method: str, prompts: list[list[int]], clients: i
             return forward(segments)
         finally:
             in_forward[0] += time.perf_counter() - t0
+            each.append((sum(s.width for s in segments), time.perf_counter() - t0))
 
     scheduler.batch.forward = timed
     slots = [scheduler.acquire() for _ in range(clients)]
@@ -67,7 +72,17 @@ def run(model, tok, model_dir, method: str, prompts: list[list[int]], clients: i
     return {"tokens_per_s": round(tokens[0] / wall, 2), "wall_s": round(wall, 2), "forwards": n,
             "rows_per_forward": round((scheduler.rows - rows) / max(1, n), 2),
             "forward_s": round(in_forward[0], 2), "forward_share": round(in_forward[0] / wall, 3),
-            "ms_per_forward": round(1e3 * in_forward[0] / max(1, n), 1)}
+            "ms_per_forward": round(1e3 * in_forward[0] / max(1, n), 1), "fit": fit(each)}
+
+
+def fit(forwards: list[tuple[int, float]]) -> dict:
+    """Least squares seconds = a + b * rows over the forwards (rows, seconds), in ms, with the residuals' RMS."""
+    rows, seconds = np.array(forwards, dtype=float).T
+    X = np.stack([np.ones_like(rows), rows], 1)
+    (a, b), *_ = np.linalg.lstsq(X, seconds, rcond=None)
+    rms = float(np.sqrt(np.mean((X @ [a, b] - seconds) ** 2)))
+    return {"ms": round(1e3 * float(a), 2), "ms_per_row": round(1e3 * float(b), 3), "rms_ms": round(1e3 * rms, 2),
+            "forwards": len(forwards)}
 
 
 def main() -> None:
@@ -83,7 +98,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model, tok, model_dir = load_target(args.target)
     prompts = [encode_prompt(tok, p) for p in throughput_prompts(args.prompts)]
-    out = {"machine": machine_info("cpu"), "command": "python scripts/batch_forward_share.py " + " ".join(
+    cost = WidthCost(measured_curve(model))
+    out = {"machine": machine_info("cpu"), "width_curve_ms": {w: round(1e3 * cost(w), 2) for w in (1, 8, 16, 32)},
+           "command": "python scripts/batch_forward_share.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None), "methods": {}}
     for method in args.methods.split(","):
         out["methods"][method] = run(model, tok, model_dir, method, prompts, args.clients, args.max_new_tokens)

@@ -309,6 +309,22 @@ def test_a_fitted_prompt_chunk_shrinks_as_the_cached_prompt_grows():
         scheduler.stop()
 
 
+def test_the_attention_cost_is_measured_once_per_model(monkeypatch):
+    """A scheduler measures what a row pays per cached position with forwards of its own; a second one on the same
+    model and threads (`d3d bench --clients` starts one per level) reuses the value without a forward."""
+    model = tiny_model()
+    first = Scheduler(model, 1, max_len=400)
+    first.stop()
+    forwards = []
+    real = BatchedTarget.forward
+    monkeypatch.setattr(BatchedTarget, "forward", lambda self, segments: forwards.append(segments) or real(self, segments))
+    second = Scheduler(model, 1, max_len=400)
+    try:
+        assert second.attention_s == first.attention_s and not forwards
+    finally:
+        second.stop()
+
+
 def test_the_load_counts_a_prompt_chunk_as_a_one_token_step():
     """A prompt chunk's rows are work the batch does whatever the others draft: in the load the other generations
     weigh their drafts against it counts as a one-token step (it decodes soon), not as its width; a decoding

@@ -213,10 +213,15 @@ class Scheduler:
     def _attention_seconds(self, width: int = 16, context: int = 2048) -> float:
         """Seconds a forward's row spends per cached position it attends to: a `width`-row forward after
         `context` cached positions against one after none, fastest of three each, on slot 0 (whatever its cache
-        holds: the cost does not depend on it)."""
+        holds: the cost does not depend on it). Measured once per model, thread count and context, as the width
+        cost curve is (a few seconds on the fp32 pair; `d3d bench --clients` starts a scheduler per level)."""
         context = min(context, self.batch.max_len - width)
         if context < 256:
             return 0.0
+        key = (torch.get_num_threads(), width, context)
+        cached = getattr(self.model, "_d3d_attention_s", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
         device = self.model.norm.weight.device
 
         def seconds(start: int) -> float:
@@ -229,7 +234,9 @@ class Scheduler:
             return min(times)
 
         base = seconds(0)
-        return max(0.0, (seconds(context) - base) / (width * context))
+        value = max(0.0, (seconds(context) - base) / (width * context))
+        self.model._d3d_attention_s = (key, value)
+        return value
 
     def acquire(self) -> SlotModel | None:
         with self.cond:

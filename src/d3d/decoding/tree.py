@@ -70,7 +70,8 @@ def generate_tree(model, tokenizer, prompt_ids: list[int], params: SamplingParam
         res.branches.append(_branch(tree, path))
         if on_branch is not None:
             on_branch(res.branches[-1])
-        reason = commit_round(res, stopper, tokens, chunk, on_round, logprobs, logits[[0] + path])
+        rows = logits[[0] + path] if logprobs is not None else None  # a copy of the path's rows: only if asked
+        reason = commit_round(res, stopper, tokens, chunk, on_round, logprobs, rows)
     res = finish(res, stopper, reason, t1, device, logprobs)
     learn = getattr(proposer, "learn", None)  # after the generation and its timing: later ones retrieve it
     if learn is not None:
