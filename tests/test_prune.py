@@ -108,6 +108,35 @@ def test_prune_resumes_after_interruption(tmp_path):
     assert torch.allclose(fresh_draft(resumed, seq), fresh_draft(ref, seq), atol=1e-2)  # fp16 round trip
 
 
+def test_prune_resumes_within_a_step(tmp_path, monkeypatch):
+    """Each layer tried is saved as it is measured: a run killed in the middle of a step measures only the layers
+    it had not tried, and removes what an uninterrupted run removes."""
+    import d3d.training.prune as pruning
+
+    calib = tiny_calibration()
+    ref, ref_state = prune(drafter_with([0, 1, 2]), calib, 24, tmp_path / "ref", keep_ratio=0.01,
+                           log=lambda *_: None)
+    real, calls = pruning.calibration_tau, []
+
+    def measured(*args):
+        calls.append(1)
+        if len(calls) == 3:  # the starting tau, then the first layer tried; killed trying the second
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(pruning, "calibration_tau", measured)
+    with pytest.raises(KeyboardInterrupt):
+        prune(drafter_with([0, 1, 2]), calib, 24, tmp_path / "run", keep_ratio=0.01, log=lambda *_: None)
+    assert list(json.loads((tmp_path / "run" / "state.json").read_text())["trials"]) == ["0"]
+    calls.clear()
+    monkeypatch.setattr(pruning, "calibration_tau", lambda *args: calls.append(1) or real(*args))
+    _, state = prune(drafter_with([0, 1, 2]), calib, 24, tmp_path / "run", keep_ratio=0.01, log=lambda *_: None)
+    assert [s["removed"] for s in state["steps"]] == [s["removed"] for s in ref_state["steps"]]
+    assert [s["candidates"] for s in state["steps"]] == [s["candidates"] for s in ref_state["steps"]]
+    assert len(calls) == 2 + 2  # step 1: layers 1 and 2 only; step 2: both layers left (then one: the budget)
+    assert "trials" not in state
+
+
 def test_calibration_prompts_are_neither_training_data_nor_benchmark_prompts():
     from pathlib import Path
 

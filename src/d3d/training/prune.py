@@ -144,10 +144,15 @@ def prune(drafter: Drafter, calib: Calibration, max_new_tokens: int, run_dir: Pa
         if n <= min_layers:
             state["stopped"] = f"layer budget reached ({n} layers)"
             break
-        trials = {}
+        done = state.setdefault("trials", {})  # this step's layers tried so far, by stack layer: a killed run
+        trials = {}                             # resumes within a step (24 trials of the pair's drafter: an hour)
         for i in tqdm(range(n), desc=f"prune step {len(state['steps']) + 1} ({n} layers)", mininterval=2):
-            with bypassed(drafter, {i}):
-                trials[i] = calibration_tau(drafter, calib, max_new_tokens)
+            key = str(state["stack"][i])
+            if key not in done:
+                with bypassed(drafter, {i}):
+                    done[key] = calibration_tau(drafter, calib, max_new_tokens)
+                atomic_write_json(state_path, state)
+            trials[i] = done[key]
         best = max(trials, key=lambda i: trials[i]["mean"])
         candidates = {str(state["stack"][k]): v["mean"] for k, v in trials.items()}
         pruned, tau = remove_layers(drafter, {best}), trials[best]
@@ -162,6 +167,7 @@ def prune(drafter: Drafter, calib: Calibration, max_new_tokens: int, run_dir: Pa
             break
         drafter = pruned
         removed = state["stack"].pop(best)
+        del state["trials"]
         step = {"removed": removed, "init_layer": state["init_layers"][removed] if state["init_layers"] else None,
                 "layers": len(drafter.layers), "tau": tau, "candidates": candidates, **draft_times(drafter, context)}
         if heal is not None:
