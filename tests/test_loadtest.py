@@ -186,6 +186,7 @@ def test_answers_cut_by_the_deadline_are_recognised():
     (["--phases", "random,bogus"], "unknown bogus"),
     (["--request-timeout", "0"], "--request-timeout"),
     (["--connections", "0"], "--connections"),
+    (["--throughput", "--repeat", "0"], "--repeat"),
 ])
 def test_cli_options_checked_before_anything_starts(args, contains, capsys):
     t0 = time.monotonic()
@@ -193,3 +194,55 @@ def test_cli_options_checked_before_anything_starts(args, contains, capsys):
     err = capsys.readouterr().err
     assert contains in err and len(err.strip().splitlines()) == 1
     assert time.monotonic() - t0 < 5
+
+
+def level(clients: int, tok_s: float, ttft: float | None, same: int | None = None) -> dict:
+    lv = {"clients": clients, "requests": 4, "aggregate_tokens_per_s": tok_s,
+          "per_request_tokens_per_s_p50": tok_s / clients, "ttft_p50_s": ttft, "ttft_p95_s": ttft,
+          "statuses": {"200": 4}}
+    return lv if same is None else {**lv, "identical_to_solo": same}
+
+
+def test_repeated_throughput_turns_alternate_and_report_medians(monkeypatch):
+    """--repeat N runs all the servers N times, every other turn in reverse order, and reports each figure's median
+    over the turns, the counts summed, each turn's ratios to one client, and the turns themselves."""
+    import d3d.server.loadtest_throughput as lt
+    from d3d.server.loadtest_base import LoadTest
+
+    runs = iter([[10.0, 30.0], [20.0, 40.0], [12.0, 60.0], [8.0, 20.0], [11.0, 35.0], [16.0, 44.0]])
+    calls = []
+
+    def measure(cfg, name, prompts, levels, long, logs, max_batch):
+        calls.append(name)
+        logs.append(f"{name} log")
+        one, eight = next(runs)
+        out = {"levels": [level(1, one, 0.5), level(8, eight, None if name == "b" and len(calls) == 2 else 1.0, 4)],
+               "rss_mb": 100.0 * len(calls)}
+        if name == "a":
+            out["long_prompt_ttft"] = {"prompt_tokens": 4000, "long_ttft_s": len(calls), "long_status": 200,
+                                       "short_requests": 6, "short_ttft_p50_s": 0.1 * len(calls),
+                                       "short_ttft_p95_s": 0.2 * len(calls), "shorts_during_prefill": 6,
+                                       "short_statuses": ["200"]}
+        return out
+
+    monkeypatch.setattr(lt, "_measure", measure)
+    out = lt.run_throughput(LoadTest(max_tokens=8), ["a", "b"], (1, 8), requests=4, llama_cpp=False, repeat=3)
+    assert calls == ["a", "b", "b", "a", "a", "b"]
+    a, b = out["servers"]["a"], out["servers"]["b"]
+    assert [lv["aggregate_tokens_per_s"] for lv in a["levels"]] == [10.0, 30.0]  # of 10/30, 8/20, 11/35
+    assert [lv["aggregate_tokens_per_s"] for lv in b["levels"]] == [16.0, 44.0]  # of 20/40, 12/60, 16/44
+    assert a["x_one_client_by_turn"] == [[1.0, 3.0], [1.0, 2.5], [1.0, round(35 / 11, 3)]]
+    assert b["levels"][1]["ttft_p95_s"] == 1.0  # the turn in which no request got a token leaves it out
+    assert a["levels"][1]["identical_to_solo"] == 12 and a["levels"][1]["requests"] == 12
+    assert a["levels"][1]["statuses"] == {"200": 12} and len(a["turns"]) == 3
+    assert a["long_prompt_ttft"]["short_ttft_p95_s"] == 0.8 and a["long_prompt_ttft"]["short_requests"] == 18
+    assert "long_prompt_ttft" not in b and a["rss_mb"] == 500.0 and out["repeat"] == 3
+    assert a["server_log"]["lines"] == 3
+
+
+def test_a_failed_turn_is_reported_as_the_servers_error():
+    from d3d.server.loadtest_throughput import medians
+
+    good = {"levels": [level(1, 10.0, 0.5)]}
+    out = medians([good, {"error": "D3DError: the server did not start"}])
+    assert out["error"] == "D3DError: the server did not start" and len(out["turns"]) == 2

@@ -100,13 +100,15 @@ def _throughput(args: argparse.Namespace) -> None:
         raise D3DError("--requests, --max-tokens and --long-prompt-tokens must be >= 1")
     if args.max_batch is not None and args.max_batch < 1:
         raise D3DError(f"--max-batch must be >= 1 (got {args.max_batch})")
+    if args.repeat < 1:
+        raise D3DError(f"--repeat must be >= 1 (got {args.repeat})")
     if args.url:
         raise D3DError("--throughput starts its own servers (one per method): drop --url")
     methods = parse_methods(args.methods or f"ar,{best_method(args.target)}")
     cfg = LoadTest(max_tokens=args.max_tokens, target=args.target, threads=args.threads or 1,
                    long_prompt_tokens=args.long_prompt_tokens, quantize=args.quantize)
     out = {"command": "d3d " + shlex.join(args.argv),
-           **run_throughput(cfg, methods, levels, args.requests, not args.no_llama_cpp, args.max_batch)}
+           **run_throughput(cfg, methods, levels, args.requests, not args.no_llama_cpp, args.max_batch, args.repeat)}
     print(throughput_table(out), file=sys.stderr)
     if args.out:
         atomic_write_json(Path(args.out), out)

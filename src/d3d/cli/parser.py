@@ -242,6 +242,8 @@ def _loadtest(sub) -> None:
     p.add_argument("--max-batch", type=int, default=None,
                    help="--throughput: the d3d servers' --max-batch (default: the most clients)")
     p.add_argument("--no-llama-cpp", action="store_true", help="--throughput: leave llama.cpp's server out")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="--throughput: run all the servers N times in turns and report each figure's median")
     p.add_argument("--quantize", choices=["int8", "int4"], default=None,
                    help="--throughput: the d3d servers' weights (llama.cpp's server then runs Q8_0, or with int4 the "
                         "target's own 4-bit GGUF, else Q4_0); default: fp32")

@@ -10,12 +10,18 @@ the level), per-request decode tokens/s (tokens after the first over the time af
 token p50 / p95, and the status codes. Every answer at more than one client is compared with the same server's
 answer at one client (its solo answer): `identical_to_solo`. Then, on d3d's servers, `long_prompt_ttft`: short
 requests sent while a prompt of `long_prompt_tokens` tokens is being prefilled, their time to first token.
+
+With `repeat` N > 1 the whole sequence of servers runs N times, in turns (every other turn in reverse order, so no
+server always runs first), and each figure is its median over the turns; the turns' own figures are kept
+(`turns`), and `x_one_client_by_turn` gives each level's ratio to one client within each turn. On a shared machine
+whose rates move 20-40% within minutes, one turn's level-to-level ratio is as noisy as the effects measured.
 """
 from __future__ import annotations
 
 import http.client
 import json
 import queue
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -201,10 +207,11 @@ def measure_server(start, prompts: list[str], cfg: LoadTest, levels: tuple[int, 
 
 
 def run_throughput(cfg: LoadTest, methods: list[str], levels: tuple[int, ...] = CONCURRENCY,
-                   requests: int | None = None, llama_cpp: bool = True, max_batch: int | None = None) -> dict:
+                   requests: int | None = None, llama_cpp: bool = True, max_batch: int | None = None,
+                   repeat: int = 1) -> dict:
     """The throughput phase (see the module doc) for each of `methods` and, if installed, llama.cpp's server;
     `requests`: prompts per level (default: twice the most clients); max_batch: d3d's --max-batch (default: the
-    most clients)."""
+    most clients); repeat: turns over all the servers, figures reported as medians (see the module doc)."""
     from ..runtime.checkpoints import resolve_target
     from ..runtime.kernels import runtime_info
     from ..bench.harness import git_commit
@@ -217,35 +224,89 @@ def run_throughput(cfg: LoadTest, methods: list[str], levels: tuple[int, ...] = 
     out = {"phase": "throughput", "target": cfg.target, "max_tokens": cfg.max_tokens, "threads": cfg.threads,
            "requests": len(prompts), "concurrency": list(levels), "max_batch": max_batch or max(levels),
            "quantize": cfg.quantize, "runtime": runtime_info(quantized=cfg.quantize is not None),
-           **dict(zip(("git_commit", "git_dirty"), git_commit())), "servers": {}}
-    for name in [*methods, *(["llama.cpp"] if llama_cpp else [])]:
-        if name == "llama.cpp":
-            try:
-                import llama_cpp.server  # noqa: F401
-            except ImportError:
-                out["servers"][name] = {"skipped": "needs llama-cpp-python[server]: pip install "
-                                                   "'llama-cpp-python[server]==0.3.36'"}
-                continue
-        gguf, logs = [], []
-
-        def start(log, name=name):
-            if name == "llama.cpp":
-                proc, port, file = llama_cpp_server(cfg, log)
-                gguf[:] = [file]
-            else:
-                proc, port = d3d_server(cfg, name, max_batch or max(levels), log)
-            return proc, Endpoint("127.0.0.1", port, None, proc.pid)
-
+           **dict(zip(("git_commit", "git_dirty"), git_commit())), "repeat": repeat, "servers": {}}
+    names = [*methods, *(["llama.cpp"] if llama_cpp else [])]
+    if "llama.cpp" in names:
         try:
-            if name == "llama.cpp":
-                result = measure_server(start, prompts, cfg, levels, None, logs, health="/v1/models")
-                result["gguf"] = gguf[0]
-            else:
-                result = measure_server(start, prompts, cfg, levels, long, logs)
-        except (D3DError, OSError) as e:  # one server that fails does not lose the others' figures
-            result = {"error": f"{type(e).__name__}: {e}"}
-        result["server_log"] = scan_log("\n".join(logs))
+            import llama_cpp.server  # noqa: F401
+        except ImportError:
+            out["servers"]["llama.cpp"] = {"skipped": "needs llama-cpp-python[server]: pip install "
+                                                      "'llama-cpp-python[server]==0.3.36'"}
+            names.remove("llama.cpp")
+    turns: dict[str, list[dict]] = {name: [] for name in names}
+    logs: dict[str, list[str]] = {name: [] for name in names}
+    for turn in range(repeat):
+        for name in names if turn % 2 == 0 else names[::-1]:
+            turns[name].append(_measure(cfg, name, prompts, levels, long, logs[name], max_batch))
+    for name in names:
+        result = turns[name][0] if repeat == 1 else medians(turns[name])
+        result["server_log"] = scan_log("\n".join(logs[name]))
         out["servers"][name] = result
+    return out
+
+
+def _measure(cfg: LoadTest, name: str, prompts: list[str], levels: tuple[int, ...], long: tuple[str, int],
+             logs: list[str], max_batch: int | None) -> dict:
+    """One turn of one server (d3d's with method `name`, or llama.cpp's) over the levels."""
+    gguf = []
+
+    def start(log):
+        if name == "llama.cpp":
+            proc, port, file = llama_cpp_server(cfg, log)
+            gguf[:] = [file]
+        else:
+            proc, port = d3d_server(cfg, name, max_batch or max(levels), log)
+        return proc, Endpoint("127.0.0.1", port, None, proc.pid)
+
+    try:
+        if name == "llama.cpp":
+            result = measure_server(start, prompts, cfg, levels, None, logs, health="/v1/models")
+            result["gguf"] = gguf[0]
+        else:
+            result = measure_server(start, prompts, cfg, levels, long, logs)
+    except (D3DError, OSError) as e:  # one server that fails does not lose the others' figures
+        result = {"error": f"{type(e).__name__}: {e}"}
+    return result
+
+
+MEDIAN_FIELDS = ("aggregate_tokens_per_s", "per_request_tokens_per_s_p50", "ttft_p50_s", "ttft_p95_s")
+LONG_MEDIAN_FIELDS = ("long_ttft_s", "short_ttft_p50_s", "short_ttft_p95_s")
+
+
+def median_of(values) -> float | None:
+    """The median of the values that were measured (a time is None where no request got a token)."""
+    got = [v for v in values if v is not None]
+    return round(statistics.median(got), 3) if got else None
+
+
+def medians(turns: list[dict]) -> dict:
+    """One server's turns combined: per level the median of each rate and time, the counts (statuses, answers
+    identical to solo, requests) summed; the long-prompt phase's times as medians; the turns themselves kept. A turn
+    that failed is reported as the server's error."""
+    failed = [t for t in turns if "levels" not in t]
+    if failed:
+        return {**failed[0], "turns": turns}
+    levels = []
+    for lvs in zip(*(t["levels"] for t in turns)):
+        lv = {"clients": lvs[0]["clients"], "requests": sum(x["requests"] for x in lvs),
+              **{k: median_of(x[k] for x in lvs) for k in MEDIAN_FIELDS}, "statuses": {}}
+        for x in lvs:
+            for code, n in x["statuses"].items():
+                lv["statuses"][code] = lv["statuses"].get(code, 0) + n
+        if "identical_to_solo" in lvs[0]:
+            lv["identical_to_solo"] = sum(x["identical_to_solo"] for x in lvs)
+        levels.append(lv)
+    out = {"levels": levels, "x_one_client_by_turn": [
+        [round(lv["aggregate_tokens_per_s"] / t["levels"][0]["aggregate_tokens_per_s"], 3) for lv in t["levels"]]
+        for t in turns], "rss_mb": max((t.get("rss_mb") or 0 for t in turns), default=0) or None, "turns": turns}
+    longs = [t["long_prompt_ttft"] for t in turns if "long_prompt_ttft" in t]
+    if longs:
+        out["long_prompt_ttft"] = {**longs[0], **{k: median_of(x[k] for x in longs) for k in LONG_MEDIAN_FIELDS},
+                                   **{k: sum(x[k] for x in longs) for k in ("short_requests", "shorts_during_prefill")},
+                                   "long_status": max((x["long_status"] or 0 for x in longs), default=0) or None,
+                                   "short_statuses": sorted({c for x in longs for c in x["short_statuses"]})}
+    if "gguf" in turns[0]:
+        out["gguf"] = turns[0]["gguf"]
     return out
 
 
@@ -254,6 +315,8 @@ def throughput_table(out: dict) -> str:
     server at one client, per-request tokens/s, time to first token, answers identical to solo, non-200s."""
     rows = ["| server | clients | aggregate tok/s | x 1 client | per-request tok/s (p50) | TTFT p50 / p95 s "
             "| identical to solo | non-200 |", "|---|---|---|---|---|---|---|---|"]
+    if out.get("repeat", 1) > 1:
+        rows.insert(0, f"(medians of {out['repeat']} turns; answers and statuses counted over all of them)")
     for name, result in out["servers"].items():
         if "levels" not in result:
             rows.append(f"| {name} | {result.get('skipped') or result.get('error')} | | | | | | |")
