@@ -279,6 +279,12 @@ def median_of(values) -> float | None:
     return round(statistics.median(got), 3) if got else None
 
 
+def ratio(level: dict, one_client: dict) -> float | None:
+    """A level's aggregate tokens/s over the one-client level's (None where that level committed nothing)."""
+    base = one_client["aggregate_tokens_per_s"]
+    return round(level["aggregate_tokens_per_s"] / base, 3) if base else None
+
+
 def medians(turns: list[dict]) -> dict:
     """One server's turns combined: per level the median of each rate and time, the counts (statuses, answers
     identical to solo, requests) summed; the long-prompt phase's times as medians; the turns themselves kept. A turn
@@ -296,9 +302,8 @@ def medians(turns: list[dict]) -> dict:
         if "identical_to_solo" in lvs[0]:
             lv["identical_to_solo"] = sum(x["identical_to_solo"] for x in lvs)
         levels.append(lv)
-    out = {"levels": levels, "x_one_client_by_turn": [
-        [round(lv["aggregate_tokens_per_s"] / t["levels"][0]["aggregate_tokens_per_s"], 3) for lv in t["levels"]]
-        for t in turns], "rss_mb": max((t.get("rss_mb") or 0 for t in turns), default=0) or None, "turns": turns}
+    out = {"levels": levels, "x_one_client_by_turn": [[ratio(lv, t["levels"][0]) for lv in t["levels"]] for t in turns],
+           "rss_mb": max((t.get("rss_mb") or 0 for t in turns), default=0) or None, "turns": turns}
     longs = [t["long_prompt_ttft"] for t in turns if "long_prompt_ttft" in t]
     if longs:
         out["long_prompt_ttft"] = {**longs[0], **{k: median_of(x[k] for x in longs) for k in LONG_MEDIAN_FIELDS},
