@@ -15,9 +15,9 @@ from helpers import TINY, tiny_args, tiny_examples, tiny_tokenizer
 THREE = tiny_args(TINY.vocab_size, TINY.max_seq_len, n_layers=3)
 
 
-def drafter_with(layers: list[int]):
+def drafter_with(layers: list[int], args=THREE):
     torch.manual_seed(0)
-    target = Transformer(THREE)
+    target = Transformer(args)
     with torch.no_grad():
         for p in target.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -44,6 +44,25 @@ def test_bypassed_layer_equals_a_model_built_without_it():
     full.cfg.from_target = [0, 2]  # a delta drafter: stack layers 0 and 2 are the target's own
     assert removed.cfg.from_target == [] and remove_layers(full, {1}).cfg.from_target == [0, 1]
     assert remove_layers(full, {0}).cfg.from_target == [1]
+
+
+def test_a_bypass_runs_on_the_packed_cpu_layers_less_the_dropped_ones():
+    """A pruning trial on a drafter packed for the C++ layers runs on them (not the slower PyTorch layers), with the
+    same bits as the drafter built without the layer, and leaves the packing as it was."""
+    from d3d.runtime.kernels import kernels_available
+
+    if not kernels_available():
+        pytest.skip("no C++ kernels here (no compiler)")
+    seq = [random.Random(3).randrange(TINY.vocab_size) for _ in range(20)]
+    wide = tiny_args(TINY.vocab_size, TINY.max_seq_len, n_layers=3, dim=64)  # the fp32 kernels take 64s of outputs
+    full, without_middle = drafter_with([0, 1, 2], wide), drafter_with([0, 2], wide)
+    for d in (full, without_middle):
+        d.pack_cpu_layers()
+    packed = full.cpu_params
+    with bypassed(full, {1}):
+        assert full._cpu_ready(1, None) and len(full.cpu_params) == len(without_middle.cpu_params)
+        assert torch.equal(fresh_draft(full, seq), fresh_draft(without_middle, seq))
+    assert full.cpu_params is packed and full.cpu_layers_of() is full.layers and full._cpu_ready(1, None)
 
 
 def test_healing_continues_the_drafters_own_objective():
