@@ -151,13 +151,14 @@ def test_shipped_drafter_runs_on_the_cpu_layers_with_pytorch_numerics(smol):
     d.cpu_layers = None
     d.pack_cpu_layers()
     pruned = []
-    for layers in (d.cpu_layers, None):  # a pruning trial's layer subset runs in PyTorch, never on the packed four
+    for layers in (d.cpu_layers, None):  # a pruning trial runs on the packed layers less the dropped one, never all
         d.cpu_layers = layers
         with bypassed(d, [1]):
             d.setup_cache(1, 128)
             d.cached_tokens = []
             pruned.append(d.draft_block(text))
-    assert torch.equal(pruned[0], pruned[1])
+    assert (pruned[0] - pruned[1]).abs().max() < 1e-3 and not torch.equal(pruned[0], drafts[0])
+    assert torch.equal(pruned[0].argmax(-1), pruned[1].argmax(-1))
 
 
 @torch.no_grad()
