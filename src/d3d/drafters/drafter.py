@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -153,12 +152,11 @@ def bypassed(drafter: Drafter, drop: set[int] | list[int]):
     packed CPU layers (Transformer.pack_cpu_layers) the trial runs on the same packed layers less the dropped ones,
     as the pruned drafter will (on the PyTorch layers a trial of the pair's 24-layer drafter took several times as
     long, and its sums differed from the starting tau's)."""
+    drop = set(drop)
     layers, packed = drafter.layers, (drafter.cpu_layers, drafter.cpu_params, drafter.cpu_layers_of)
-    drafter.layers = nn.ModuleList(layer for i, layer in enumerate(layers) if i not in set(drop))
+    drafter.layers = nn.ModuleList(layer for i, layer in enumerate(layers) if i not in drop)
     if packed[0] is not None and packed[2]() is layers:
-        drafter.cpu_layers = [p for i, p in enumerate(packed[0]) if i not in set(drop)]
-        drafter.cpu_params = [t for layer in drafter.cpu_layers for t in layer]
-        drafter.cpu_layers_of = weakref.ref(drafter.layers)
+        drafter.use_cpu_layers([p for i, p in enumerate(packed[0]) if i not in drop])
     try:
         yield drafter
     finally:

@@ -12,7 +12,6 @@ the PyTorch layers, each on its own slot of the cache: the same results, without
 from __future__ import annotations
 
 import copy
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -144,5 +143,5 @@ def with_own_cache(model: torch.nn.Module) -> torch.nn.Module:
             layer.attention.k_cache = layer.attention.v_cache = None
         twin.kv_cache, twin.cache_views, twin.cache_len = None, [], 0
     if getattr(model, "cpu_layers_of", None) is not None and model.cpu_layers_of() is model.layers:
-        twin.cpu_layers_of = weakref.ref(twin.layers)  # the packed layers are the twin's own (shared weights)
+        twin.use_cpu_layers(twin.cpu_layers)  # the packed layers are the twin's own (shared weights)
     return twin

@@ -111,12 +111,17 @@ class Transformer(nn.Module):
         if params is None or any(p is None for p in params):
             self.drop_cpu_layers()
             return
-        self.cpu_layers, self.cpu_layers_of = params, weakref.ref(self.layers)
-        self.cpu_params = [t for layer in params for t in layer]  # torch.ops.d3d.layers's flat list
+        self.use_cpu_layers(params)
         fp32 = isinstance(self.output, nn.Linear)
         self.cpu_head = pack_fp32(self.output.weight) if fp32 else None
         linears = [m for m in self.modules() if isinstance(m, nn.Linear)] if fp32 else []
         self.cpu_packed_from = [(m, m.weight, m.weight._version) for m in linears]
+
+    def use_cpu_layers(self, params: list[list[torch.Tensor]]) -> None:
+        """Run forwards on these packed layers (layer_params of each module of self.layers, in order): the list
+        pack_cpu_layers made, or a pruning trial's subset of it (d3d.drafters.drafter.bypassed)."""
+        self.cpu_layers, self.cpu_layers_of = params, weakref.ref(self.layers)
+        self.cpu_params = [t for layer in params for t in layer]  # torch.ops.d3d.layers's flat list
 
     def drop_cpu_layers(self) -> None:
         """Run every forward on the PyTorch layers again (compiled graphs trace them; a reference run)."""
@@ -124,7 +129,7 @@ class Transformer(nn.Module):
 
     def _cpu_ready(self, batch: int, mask: torch.Tensor | None) -> bool:
         """Whether this forward may run on the CPU layers (pack_cpu_layers): one sequence, a bool mask, the
-        layers that were packed (not a pruning trial's subset), no gradient needed; fp32 weights changed
+        packed layers are those of self.layers (use_cpu_layers), no gradient needed; fp32 weights changed
         since packing (an optimizer step) are repacked first."""
         if self.cpu_layers is None or batch != 1 or (mask is not None and mask.dtype != torch.bool) \
                 or self.cpu_layers_of() is not self.layers:
