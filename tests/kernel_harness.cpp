@@ -94,7 +94,7 @@ void q4_products() {
     for (uint8_t& b : wq) b = bits == 4 ? uint8_t(int(next(128.f)) + 128) : uint8_t(int(next(127.f)) + 127);  // 8 bits: q <= 254
     for (uint8_t& b : wsm) b = uint8_t(int(next(32.f)) + 32);
     for (float& f : wdd) f = next(0.01f) + 0.011f;
-    for (int64_t M : {1, 3, 4, 9, 21}) {
+    for (int64_t M : {1, 3, 4, 7, 9, 14, 21}) {
       std::vector<float> x = randoms(M * K, 3.f), xs(M * SB), y(M * N);
       std::vector<int8_t> q(M * SB * q4::SUPER);
       std::vector<int32_t> xsum(M * SB * q4::GROUPS);

@@ -124,7 +124,9 @@ def reference_lines(tmp_path_factory) -> list[str]:
 def test_the_kernel_loops_give_the_plain_loops_bits_without_torch(path, reference_lines, tmp_path):
     lines = harness_lines("g++", NATIVE_FLAGS[path], tmp_path / path)
     assert lines[0] == f"path {path}"
-    assert lines[2] == f"int4 {'scalar' if path == 'scalar' else 'avx2' if path in ('avx2', 'avx512') else 'neon-dotprod'}"
+    vnni = path == "avx512" and {"avx512_vnni", "avx512bw"} <= cpu_flags()
+    int4 = "avx512-vnni" if vnni else "scalar" if path == "scalar" else "avx2" if path in ("avx2", "avx512") else "neon-dotprod"
+    assert lines[2] == f"int4 {int4}"
     assert lines[3:] == reference_lines
 
 

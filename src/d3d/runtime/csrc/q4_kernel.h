@@ -23,6 +23,8 @@
 #include "int8_kernel.h"
 
 #if defined(D3D_SCALAR)
+#elif defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define D3D_Q4_PATH 1  // vpdpbusd on 512-bit registers: u8 weights x s8 activations summed in fours, 16 outputs per op
 #elif defined(__AVX2__)
 #define D3D_Q4_PATH 2  // vpmaddubsw: u8 nibbles x s8 activations, pairs summed in int16 over a group, then int32
 #elif defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
@@ -37,9 +39,19 @@ constexpr int64_t SCALES = 2 * GROUPS * LANES;        // sc and m bytes per 16 o
 constexpr int64_t FACTORS = 2 * LANES;                // d and dmin per 16 outputs and super-block
 constexpr int64_t MBLOCK = 4;
 constexpr int64_t ROWS = 16;  // rows per pass at most where 4-bit products take more than MBLOCK rows (AVX2)
+constexpr int64_t WIDE = 8;   // rows per pass at most with vpdpbusd (two accumulators a row, 32 registers)
+// group_add8 sums (q - 127) * x, and its caller adds 127 * sc * sum(x) back, except with vpdpbusd, whose unsigned
+// operand takes q (0..254) as it is. Either way A is the same integer.
+#if D3D_Q4_PATH == 1
+constexpr bool Q8_CENTRED = false;
+#else
+constexpr bool Q8_CENTRED = true;
+#endif
 
 inline const char* q4_path() {
-#if D3D_Q4_PATH == 2
+#if D3D_Q4_PATH == 1
+  return "avx512-vnni";
+#elif D3D_Q4_PATH == 2
   return "avx2";
 #elif D3D_Q4_PATH == 3
   return "neon-dotprod";
@@ -82,6 +94,28 @@ inline void add_scaled(const int32x4_t (*acc)[4], const uint8_t* sc, int32_t mul
 }
 #endif
 
+#if D3D_Q4_PATH == 1
+// Pair p of a group's nibbles (64 bytes: 16 outputs x 4 k, both steps) as bytes: step 2p in `even`, 2p + 1 in `odd`.
+inline void nibbles(const uint8_t* w, int64_t p, __m512i& even, __m512i& odd) {
+  const __m512i r = _mm512_loadu_si512(w + p * 64), low = _mm512_set1_epi8(0x0F);
+  even = _mm512_and_si512(r, low);
+  odd = _mm512_and_si512(_mm512_srli_epi16(r, 4), low);
+}
+
+// A[i] += s * (acc[i] + odd[i]) for rows i < mb (s: the group's 16 scales as int32).
+template <int64_t mb>
+inline void add_scaled(const __m512i* acc, const __m512i* odd, __m512i s, int32_t A[mb][LANES]) {
+  for (int64_t i = 0; i < mb; ++i) {
+    const __m512i sum = _mm512_mullo_epi32(_mm512_add_epi32(acc[i], odd[i]), s);
+    _mm512_storeu_si512(A[i], _mm512_add_epi32(_mm512_loadu_si512(A[i]), sum));
+  }
+}
+
+inline __m512i scales32(const uint8_t* sc) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+}
+#endif
+
 #if D3D_Q4_PATH == 2
 // A group's nibbles (4 pairs of steps, 256 bytes) as bytes: wv[p] = step 2p outputs 0-7, 8-15, step 2p + 1 the same.
 inline void unpack_group(const uint8_t* w, __m256i (*wv)[4]) {
@@ -102,7 +136,20 @@ inline void unpack_group(const uint8_t* w, __m256i (*wv)[4]) {
 template <int64_t mb>
 inline void group_add(const int8_t* x, int64_t stride, const uint8_t* w, const uint8_t* sc, int32_t mult,
                       int32_t A[mb][LANES]) {
-#if D3D_Q4_PATH == 2
+#if D3D_Q4_PATH == 1
+  // each row sums its even and odd steps in two chains, so that one row does not wait on vpdpbusd's latency
+  __m512i acc[mb], odd[mb];
+  for (int64_t i = 0; i < mb; ++i) acc[i] = odd[i] = _mm512_setzero_si512();
+  for (int64_t p = 0; p < 4; ++p) {
+    __m512i e, o;
+    nibbles(w, p, e, o);
+    for (int64_t i = 0; i < mb; ++i) {
+      acc[i] = _mm512_dpbusd_epi32(acc[i], e, _mm512_set1_epi32(int8::quad(x + i * stride + p * 8)));
+      odd[i] = _mm512_dpbusd_epi32(odd[i], o, _mm512_set1_epi32(int8::quad(x + i * stride + p * 8 + 4)));
+    }
+  }
+  add_scaled<mb>(acc, odd, _mm512_mullo_epi32(scales32(sc), _mm512_set1_epi32(mult)), A);
+#elif D3D_Q4_PATH == 2
   // int16 sums stay exact: 8 steps of two products of at most 15 * 127 each, 30480 in all; vpmaddwd then
   // multiplies each output's two int16 sums by its scale and adds them in int32. The group's nibbles are
   // unpacked once into `wv` (L1), then each row runs on its own accumulators: with all rows' accumulators and
@@ -159,10 +206,22 @@ inline void group_add(const int8_t* x, int64_t stride, const uint8_t* w, const u
 }
 
 // The same for 8-bit weights: A[i][l] += sc[l] * sum over the group's 32 k of x[i * stride + k] * (q(l, k) - 127),
-// w: the group's 8 steps of 4 k, [8][16 outputs][4 k] bytes of q (0..254); the caller adds 127 * sc * sum(x).
+// w: the group's 8 steps of 4 k, [8][16 outputs][4 k] bytes of q (0..254); the caller adds 127 * sc * sum(x)
+// (Q8_CENTRED; with vpdpbusd the sum is of q * x, with no 127 to add back).
 template <int64_t mb>
 inline void group_add8(const int8_t* x, int64_t stride, const uint8_t* w, const uint8_t* sc, int32_t A[mb][LANES]) {
-#if D3D_Q4_PATH == 2
+#if D3D_Q4_PATH == 1
+  __m512i acc[mb], odd[mb];
+  for (int64_t i = 0; i < mb; ++i) acc[i] = odd[i] = _mm512_setzero_si512();
+  for (int64_t step = 0; step < 8; step += 2) {
+    const __m512i w0 = _mm512_loadu_si512(w + step * 64), w1 = _mm512_loadu_si512(w + step * 64 + 64);
+    for (int64_t i = 0; i < mb; ++i) {
+      acc[i] = _mm512_dpbusd_epi32(acc[i], w0, _mm512_set1_epi32(int8::quad(x + i * stride + step * 4)));
+      odd[i] = _mm512_dpbusd_epi32(odd[i], w1, _mm512_set1_epi32(int8::quad(x + i * stride + step * 4 + 4)));
+    }
+  }
+  add_scaled<mb>(acc, odd, scales32(sc), A);
+#elif D3D_Q4_PATH == 2
   // |q - 127| <= 127, so vpmaddubsw on |x| and (q - 127) * sign(x) sums two products exactly in int16 (as the
   // int8 kernel does); vpmaddwd multiplies each output's two sums by its scale into int32 every step
   const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
@@ -212,7 +271,7 @@ inline void group_add8(const int8_t* x, int64_t stride, const uint8_t* w, const 
 
 // out[l] = sum_g v[g][l] * gs[g] (v: a super-block's sc or m [8][16] u8; gs: a row's group sums of q).
 inline void group_weighted(const uint8_t* v, const int32_t* gs, int32_t* out) {
-#if D3D_Q4_PATH == 2
+#if D3D_Q4_PATH == 1 || D3D_Q4_PATH == 2
   __m256i B[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
   for (int64_t g = 0; g < GROUPS; g += 2) {  // vpmaddwd over two groups: v[g][l] * gs[g] + v[g + 1][l] * gs[g + 1]
     const __m128i mg = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v + g * LANES));
@@ -235,7 +294,7 @@ inline void super_block_end(const int32_t* gs, float s, const uint8_t* m, const 
                             const int32_t* A, float* acc) {
   alignas(32) int32_t B[LANES];
   group_weighted(m, gs, B);
-#if D3D_Q4_PATH == 2
+#if D3D_Q4_PATH == 1 || D3D_Q4_PATH == 2
   const __m256 sv = _mm256_set1_ps(s);
   for (int64_t h = 0; h < 2; ++h) {
     const __m256 a = _mm256_mul_ps(_mm256_loadu_ps(d + 8 * h),
@@ -300,7 +359,7 @@ inline void group_add_rows(const int8_t* x, int64_t stride, int64_t mb, const ui
 #endif
 
 // Outputs n0 = 16 * nb .. n0 + 15 (those below N) of rows m0 .. m0 + rows - 1 (see the top of this file): rows
-// is mb, or with mb = ROWS (4-bit, AVX2: group_add_rows) any count up to ROWS.
+// is mb, or with mb = ROWS (4-bit, AVX2: group_add_rows) any count up to ROWS; with vpdpbusd mb runs to WIDE.
 // Groups past k = K (padding: zero activations, zero weights) are skipped: they add nothing.
 template <int64_t bits, int64_t mb>
 inline void block_out(int64_t rows, const int8_t* xq, int64_t K, const float* xs, const int32_t* xsum,
@@ -325,7 +384,7 @@ inline void block_out(int64_t rows, const int8_t* xq, int64_t K, const float* xs
       if constexpr (bits == 4) group_add<mb>(x, Kp, q + g * 256, sc + g * LANES, 1, A);
       else group_add8<mb>(x, Kp, q + g * 512, sc + g * LANES, A);
     }
-    if constexpr (bits == 8)  // the 127 that group_add8 took out of every q: 127 * sum_g sc * sum(x)
+    if constexpr (bits == 8 && Q8_CENTRED)  // the 127 that group_add8 took out of every q: 127 * sum_g sc * sum(x)
       for (int64_t i = 0; i < n; ++i) {
         alignas(32) int32_t C[LANES];
         group_weighted(sc, xsum + (m0 + i) * SB * GROUPS + sb * GROUPS, C);
@@ -345,7 +404,16 @@ inline void rows_out(int64_t mb, Args... args) {
     case 2: return block_out<bits, 2>(mb, args...);
     case 3: return block_out<bits, 3>(mb, args...);
     case 4: return block_out<bits, 4>(mb, args...);
-    default: return block_out<bits, ROWS>(mb, args...);  // 4-bit on AVX2 only (blocks)
+#if D3D_Q4_PATH == 1
+    case 5: return block_out<bits, 5>(mb, args...);
+    case 6: return block_out<bits, 6>(mb, args...);
+    case 7: return block_out<bits, 7>(mb, args...);
+    default: return block_out<bits, WIDE>(mb, args...);
+#elif D3D_Q4_PATH == 2
+    default: return block_out<bits, ROWS>(mb, args...);  // 4-bit only (blocks)
+#else
+    default: return block_out<bits, MBLOCK>(mb, args...);  // not reached: blocks takes MBLOCK rows at most
+#endif
   }
 }
 
@@ -353,7 +421,9 @@ inline void rows_out(int64_t mb, Args... args) {
 inline void blocks(int64_t bits, const int8_t* xq, int64_t M, int64_t K, const float* xs, const int32_t* xsum,
                    const uint8_t* wq, const uint8_t* wsm, const float* wdd, int64_t N, const float* bias, float* y,
                    int64_t b0, int64_t b1) {
-#if D3D_Q4_PATH == 2
+#if D3D_Q4_PATH == 1
+  const int64_t step = WIDE;
+#elif D3D_Q4_PATH == 2
   const int64_t step = bits == 4 && M > MBLOCK ? ROWS : MBLOCK;
 #else
   const int64_t step = MBLOCK;
