@@ -6,9 +6,12 @@ timed. Where the forward takes nearly all of the time, the lanes' Python work (p
 bounds the batch: the rows are. Each forward's seconds are also fitted by least squares as a + b * rows over all
 the run's forwards (`fit`): b is what one more row (a tree node, a prompt token) costs in the batch, to set beside
 the width cost curve (one sequence, 256 cached tokens) with which the load-aware budget prices a tree's rows.
+`lane_cpu_s` is the CPU time of the generations' own threads (time.thread_time: proposing, verifying, committing;
+the forward runs on the scheduler's thread), which in a batch delays every forward.
 
     python scripts/batch_forward_share.py --methods ar,lookup-tree --clients 8 --prompts 16 \
         --out results/batch_forward_share_smol_cpu.json
+    python scripts/batch_forward_share.py --methods ar,lookup-tree --turns 4 --out results/batch_forward_fit_smol_avx512_cpu.json
 """
 from __future__ import annotations
 
@@ -46,12 +49,14 @@ def run(model, tok, model_dir, method: str, prompts: list[list[int]], clients: i
     scheduler.batch.forward = timed
     slots = [scheduler.acquire() for _ in range(clients)]
     runners = [make_runner(method, slot, tok, model_dir, learn=False) for slot in slots]
-    todo, lock, tokens = list(range(len(prompts))), threading.Lock(), [0]
+    todo, lock, tokens, lane_cpu = list(range(len(prompts))), threading.Lock(), [0], [0.0]
 
     def client(slot, runner) -> None:
+        cpu0 = time.thread_time()
         while True:
             with lock:
                 if not todo:
+                    lane_cpu[0] += time.thread_time() - cpu0
                     return
                 i = todo.pop(0)
             res = runner(prompts[i], params=SamplingParams(), max_new_tokens=max_new_tokens)
@@ -72,7 +77,8 @@ def run(model, tok, model_dir, method: str, prompts: list[list[int]], clients: i
     return {"tokens_per_s": round(tokens[0] / wall, 2), "wall_s": round(wall, 2), "forwards": n,
             "rows_per_forward": round((scheduler.rows - rows) / max(1, n), 2),
             "forward_s": round(in_forward[0], 2), "forward_share": round(in_forward[0] / wall, 3),
-            "ms_per_forward": round(1e3 * in_forward[0] / max(1, n), 1), "fit": fit(each)}
+            "ms_per_forward": round(1e3 * in_forward[0] / max(1, n), 1), "lane_cpu_s": round(lane_cpu[0], 2),
+            "fit": fit(each)}
 
 
 def fit(forwards: list[tuple[int, float]]) -> dict:
@@ -93,6 +99,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--turns", type=int, default=1,
+                    help="run the methods this many times in turns, the order reversed every other turn (a method's "
+                         "entry is then the list of its runs)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -102,9 +111,14 @@ def main() -> None:
     out = {"machine": machine_info("cpu"), "width_curve_ms": {w: round(1e3 * cost(w), 2) for w in (1, 8, 16, 32)},
            "command": "python scripts/batch_forward_share.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None), "methods": {}}
-    for method in args.methods.split(","):
-        out["methods"][method] = run(model, tok, model_dir, method, prompts, args.clients, args.max_new_tokens)
-        print(method, out["methods"][method], flush=True)
+    methods = args.methods.split(",")
+    for turn in range(args.turns):
+        for method in methods if turn % 2 == 0 else methods[::-1]:
+            result = run(model, tok, model_dir, method, prompts, args.clients, args.max_new_tokens)
+            out["methods"].setdefault(method, []).append(result)
+            print(method, result, flush=True)
+    if args.turns == 1:
+        out["methods"] = {m: runs[0] for m, runs in out["methods"].items()}
     atomic_write_json(Path(args.out), out)
 
 
