@@ -89,7 +89,7 @@ void q4_products() {
   const int64_t N = 40, K = 300, SB = (K + q4::SUPER - 1) / q4::SUPER, NB = (N + q4::LANES - 1) / q4::LANES;
   std::vector<float> bias = randoms(N);
   for (int64_t bits : {4, 8}) {
-    std::vector<uint8_t> wq(NB * SB * (bits / 4) * q4::NIBBLES), wsm(NB * SB * q4::SCALES);
+    std::vector<uint8_t> wq(NB * ((K + q4::GROUP - 1) / q4::GROUP) * (bits / 4) * q4::GROUP_BYTES), wsm(NB * SB * q4::SCALES);
     std::vector<float> wdd(NB * SB * q4::FACTORS);
     for (uint8_t& b : wq) b = bits == 4 ? uint8_t(int(next(128.f)) + 128) : uint8_t(int(next(127.f)) + 127);  // 8 bits: q <= 254
     for (uint8_t& b : wsm) b = uint8_t(int(next(32.f)) + 32);

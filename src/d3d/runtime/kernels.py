@@ -179,9 +179,10 @@ Q4_SUPER, Q4_GROUP = 256, 32  # csrc/q4_kernel.h: super-blocks of 256 along k, g
 def pack_q4_parts(q: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor,
                   bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Weights w[n, k] = d[n, k // 256] * sc[n, k // 32] * q[n, k] - dmin[n, k // 256] * m[n, k // 32] in
-    q4_linear's layout (csrc/q4_kernel.h): (q u8 [N/16, SB, bits * 256], sc and m u8 [N/16, SB, 2, 8, 16],
-    d and dmin fp32 [N/16, SB, 2, 16], shape int64 [N, K]). q [N, K] holds 0..15 (bits 4) or 0..254 (bits 8),
-    k padded with zeros to whole super-blocks and n to whole blocks of 16."""
+    q4_linear's layout (csrc/q4_kernel.h): (q u8 [N/16, G, bits * 64] for the G = ceil(K / 32) groups that hold
+    any k < K, sc and m u8 [N/16, SB, 2, 8, 16], d and dmin fp32 [N/16, SB, 2, 16], shape int64 [N, K]). q [N, K]
+    holds 0..15 (bits 4) or 0..254 (bits 8), k padded with zeros to whole groups (the scales to whole
+    super-blocks) and n to whole blocks of 16."""
     N, K = q.shape
     SB = -(-K // Q4_SUPER)
     Np, Kp = -(-N // LANES) * LANES, SB * Q4_SUPER
@@ -199,7 +200,8 @@ def pack_q4_parts(q: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.T
         packed = q.view(Np // LANES, LANES, SB, 64, 4).permute(0, 2, 3, 1, 4)
     groups = [pad(t.to(torch.uint8), SB * 8).view(Np // LANES, LANES, SB, 8).permute(0, 2, 3, 1) for t in (sc, m)]
     factors = [pad(t.float(), SB).view(Np // LANES, LANES, SB).permute(0, 2, 1) for t in (d, dmin)]
-    return (packed.reshape(Np // LANES, SB, -1).contiguous(), torch.stack(groups, 2).contiguous(),
+    G = -(-K // Q4_GROUP)
+    return (packed.reshape(Np // LANES, SB * 8, -1)[:, :G].contiguous(), torch.stack(groups, 2).contiguous(),
             torch.stack(factors, 2).contiguous(), torch.tensor([N, K], dtype=torch.int64))
 
 
@@ -234,8 +236,10 @@ def quantize_q4(weight: torch.Tensor, bits: int = 4) -> tuple[torch.Tensor, ...]
 def dequantize_q4(q: torch.Tensor, scales: torch.Tensor, factors: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
     """The fp32 weight [N, K] that q4_linear's packed tensors stand for (for tests and quality checks)."""
     N, K = (int(v) for v in shape)
-    NB, SB, width = q.shape
-    if width == Q4_SUPER * LANES // 2:  # 4 bits
+    NB, G, width = q.shape
+    SB = -(-K // Q4_SUPER)
+    q = torch.cat([q, q.new_zeros(NB, SB * 8 - G, width)], 1)  # the padding groups, back as zeros
+    if width == Q4_GROUP * LANES // 2:  # 4 bits
         v = q.view(NB, SB, 32, LANES, 4)
         vals = torch.stack([v & 15, v >> 4], 3).permute(0, 4, 1, 2, 3, 5)  # (nb, l, sb, pair, half, j)
     else:

@@ -4,9 +4,11 @@
 // Weights. Along k, each output row is cut into super-blocks of 256 (zero-padded), each into 8 groups of 32;
 // a weight is w = d * sc * q - dmin * m, with q in 0..15 (nibbles; `bits` 4) or 0..254 (bytes; `bits` 8), sc and m in 0..63 per group, d and dmin fp32 per super-block. That is exactly Q4_K
 // (whose tensors load bit for bit, d3d.runtime.gguf_load), and 8 bits over the same scales hold Q5_0 / Q6_K /
-// Q8_0 tensors closely. Packed per 16 outputs and super-block (pack_q4): per group, 4 bits: the nibbles of steps
-// 2p (low) and 2p + 1 (high) of 4 k each, [4 pairs][16 outputs][4 k] bytes; 8 bits: [8 steps][16 outputs][4 k]
-// bytes; sc [8][16] and m [8][16] (u8) in a tensor of their own, d [16] and dmin [16] (fp32) in a third.
+// Q8_0 tensors closely. Packed per 16 outputs (pack_q4): the groups that hold any k < K one after the other
+// (no padding groups: a one-row product streams the weights, and a gap in the stream defeated the hardware
+// prefetcher: 576 inputs took twice the time of 768), each, 4 bits: the nibbles of steps 2p (low) and 2p + 1
+// (high) of 4 k each, [4 pairs][16 outputs][4 k] bytes; 8 bits: [8 steps][16 outputs][4 k] bytes; per
+// super-block sc [8][16] and m [8][16] (u8) in a tensor of their own, d [16] and dmin [16] (fp32) in a third.
 //
 // Activations. Each row is quantized per super-block (int8::quantize_row on its 256 values: symmetric int8
 // with one scale), and each group's sum of q is kept for the m term.
@@ -34,7 +36,7 @@
 namespace d3d::q4 {
 
 constexpr int64_t LANES = 16, SUPER = 256, GROUP = 32, GROUPS = SUPER / GROUP;
-constexpr int64_t NIBBLES = SUPER * LANES / 2;        // weight bytes per 16 outputs and super-block at 4 bits
+constexpr int64_t GROUP_BYTES = GROUP * LANES / 2;    // weight bytes per 16 outputs and group at 4 bits (x 2 at 8)
 constexpr int64_t SCALES = 2 * GROUPS * LANES;        // sc and m bytes per 16 outputs and super-block
 constexpr int64_t FACTORS = 2 * LANES;                // d and dmin per 16 outputs and super-block
 constexpr int64_t MBLOCK = 4;
@@ -365,11 +367,11 @@ template <int64_t bits, int64_t mb>
 inline void block_out(int64_t rows, const int8_t* xq, int64_t K, const float* xs, const int32_t* xsum,
                       const uint8_t* wq, const uint8_t* wsm, const float* wdd, int64_t nb, int64_t N, int64_t m0,
                       const float* bias, float* y) {
-  const int64_t SB = (K + SUPER - 1) / SUPER, Kp = SB * SUPER, last = (K - (SB - 1) * SUPER + GROUP - 1) / GROUP;
+  const int64_t SB = (K + SUPER - 1) / SUPER, Kp = SB * SUPER, G = (K + GROUP - 1) / GROUP, last = G - (SB - 1) * GROUPS;
   const int64_t n0 = nb * LANES, nl = std::min(LANES, N - n0), n = mb == ROWS ? rows : mb;
   float acc[mb][LANES] = {};
   for (int64_t sb = 0; sb < SB; ++sb) {
-    const uint8_t* q = wq + (nb * SB + sb) * (bits / 4) * NIBBLES;
+    const uint8_t* q = wq + (nb * G + sb * GROUPS) * (bits / 4) * GROUP_BYTES;
     const uint8_t* sc = wsm + (nb * SB + sb) * SCALES;
     const uint8_t* m = sc + GROUPS * LANES;
     const float* d = wdd + (nb * SB + sb) * FACTORS;

@@ -12,8 +12,8 @@ at::Tensor d3d::q4_linear(const at::Tensor& x_, const at::Tensor& q, const at::T
               scales.is_contiguous() && factors.is_contiguous() && factors.scalar_type() == at::kFloat,
               "q4_linear takes float activations and weights packed by pack_q4");
   const int64_t N = shape.data_ptr<int64_t>()[0], K = shape.data_ptr<int64_t>()[1];
-  const int64_t NB = q.size(0), SB = q.size(1), bits = 4 * q.size(2) / NIBBLES;
-  TORCH_CHECK(x_.size(-1) == K && (K + SUPER - 1) / SUPER == SB && N <= NB * LANES && (bits == 4 || bits == 8) &&
+  const int64_t NB = q.size(0), SB = (K + SUPER - 1) / SUPER, bits = 4 * q.size(2) / GROUP_BYTES;
+  TORCH_CHECK(x_.size(-1) == K && (K + GROUP - 1) / GROUP == q.size(1) && N <= NB * LANES && (bits == 4 || bits == 8) &&
               scales.numel() == NB * SB * SCALES && factors.numel() == NB * SB * FACTORS,
               "q4_linear: shapes do not match the packed weight");
   at::Tensor x = x_.reshape({-1, K}).contiguous();
