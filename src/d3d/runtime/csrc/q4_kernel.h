@@ -82,15 +82,15 @@ inline void quantize_row(const float* row, int64_t K, int8_t* q, float* xs, int3
 }
 
 #if D3D_Q4_PATH == 3
-// A[i][l] += mult * sc[l] * acc[i][l / 4][l % 4]: a group's int32 sums (four registers of 4 outputs per row)
+// A[i][l] += sc[l] * acc[i][l / 4][l % 4]: a group's int32 sums (four registers of 4 outputs per row)
 // scaled by their outputs' scales.
 template <int64_t mb>
-inline void add_scaled(const int32x4_t (*acc)[4], const uint8_t* sc, int32_t mult, int32_t A[mb][LANES]) {
+inline void add_scaled(const int32x4_t (*acc)[4], const uint8_t* sc, int32_t A[mb][LANES]) {
   const uint8x16_t s8 = vld1q_u8(sc);
   const uint16x8_t s16[2] = {vmovl_u8(vget_low_u8(s8)), vmovl_u8(vget_high_u8(s8))};
   for (int64_t j = 0; j < 4; ++j) {
-    const int32x4_t s = vmulq_n_s32(
-        vreinterpretq_s32_u32(j % 2 ? vmovl_high_u16(s16[j / 2]) : vmovl_u16(vget_low_u16(s16[j / 2]))), mult);
+    const int32x4_t s =
+        vreinterpretq_s32_u32(j % 2 ? vmovl_high_u16(s16[j / 2]) : vmovl_u16(vget_low_u16(s16[j / 2])));
     for (int64_t i = 0; i < mb; ++i) vst1q_s32(A[i] + j * 4, vmlaq_s32(vld1q_s32(A[i] + j * 4), acc[i][j], s));
   }
 }
@@ -133,11 +133,10 @@ inline void unpack_group(const uint8_t* w, __m256i (*wv)[4]) {
 }
 #endif
 
-// A[i][l] += mult * sc[l] * (sum over the group's 32 k of x[i * stride + k] * nibble(output l, k)), for rows
+// A[i][l] += sc[l] * (sum over the group's 32 k of x[i * stride + k] * nibble(output l, k)), for rows
 // i < mb; w: the group's 4 pairs of steps in one plane (256 bytes); sc: the group's 16 scales.
 template <int64_t mb>
-inline void group_add(const int8_t* x, int64_t stride, const uint8_t* w, const uint8_t* sc, int32_t mult,
-                      int32_t A[mb][LANES]) {
+inline void group_add(const int8_t* x, int64_t stride, const uint8_t* w, const uint8_t* sc, int32_t A[mb][LANES]) {
 #if D3D_Q4_PATH == 1
   // each row sums its even and odd steps in two chains, so that one row does not wait on vpdpbusd's latency
   __m512i acc[mb], odd[mb];
@@ -150,7 +149,7 @@ inline void group_add(const int8_t* x, int64_t stride, const uint8_t* w, const u
       odd[i] = _mm512_dpbusd_epi32(odd[i], o, _mm512_set1_epi32(int8::quad(x + i * stride + p * 8 + 4)));
     }
   }
-  add_scaled<mb>(acc, odd, _mm512_mullo_epi32(scales32(sc), _mm512_set1_epi32(mult)), A);
+  add_scaled<mb>(acc, odd, scales32(sc), A);
 #elif D3D_Q4_PATH == 2
   // int16 sums stay exact: 8 steps of two products of at most 15 * 127 each, 30480 in all; vpmaddwd then
   // multiplies each output's two int16 sums by its scale and adds them in int32. The group's nibbles are
@@ -159,9 +158,7 @@ inline void group_add(const int8_t* x, int64_t stride, const uint8_t* w, const u
   alignas(32) __m256i wv[4][4];
   unpack_group(w, wv);
   const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));  // each scale twice, as int16
-  const __m256i m16 = _mm256_set1_epi16(int16_t(mult));
-  const __m256i s0 = _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(s8, s8)), m16);
-  const __m256i s1 = _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm_unpackhi_epi8(s8, s8)), m16);
+  const __m256i s0 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(s8, s8)), s1 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(s8, s8));
   for (int64_t i = 0; i < mb; ++i) {
     __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
     for (int64_t p = 0; p < 4; ++p) {
@@ -192,7 +189,7 @@ inline void group_add(const int8_t* x, int64_t stride, const uint8_t* w, const u
       for (int64_t j = 0; j < 4; ++j) acc[i][j] = vdotq_s32(vdotq_s32(acc[i][j], e[j], a), o[j], b);
     }
   }
-  add_scaled<mb>(acc, sc, mult, A);
+  add_scaled<mb>(acc, sc, A);
 #else
   for (int64_t i = 0; i < mb; ++i)
     for (int64_t l = 0; l < LANES; ++l) {
@@ -202,7 +199,7 @@ inline void group_add(const int8_t* x, int64_t stride, const uint8_t* w, const u
           const uint8_t byte = w[p * 64 + l * 4 + j];
           s += int32_t(x[i * stride + p * 8 + j]) * (byte & 0x0F) + int32_t(x[i * stride + p * 8 + 4 + j]) * (byte >> 4);
         }
-      A[i][l] += mult * int32_t(sc[l]) * s;
+      A[i][l] += int32_t(sc[l]) * s;
     }
 #endif
 }
@@ -258,7 +255,7 @@ inline void group_add8(const int8_t* x, int64_t stride, const uint8_t* w, const 
       for (int64_t j = 0; j < 4; ++j) acc[i][j] = vdotq_s32(acc[i][j], q[j], a);
     }
   }
-  add_scaled<mb>(acc, sc, 1, A);
+  add_scaled<mb>(acc, sc, A);
 #else
   for (int64_t i = 0; i < mb; ++i)
     for (int64_t l = 0; l < LANES; ++l) {
@@ -371,9 +368,10 @@ inline void block_out(int64_t rows, const int8_t* xq, int64_t K, const float* xs
                       const float* bias, float* y) {
   const int64_t SB = (K + SUPER - 1) / SUPER, Kp = SB * SUPER, G = (K + GROUP - 1) / GROUP, last = G - (SB - 1) * GROUPS;
   const int64_t n0 = nb * LANES, nl = std::min(LANES, N - n0), n = mb == ROWS ? rows : mb;
+  constexpr int64_t gb = (bits / 4) * GROUP_BYTES;  // a group's weight bytes
   float acc[mb][LANES] = {};
   for (int64_t sb = 0; sb < SB; ++sb) {
-    const uint8_t* q = wq + (nb * G + sb * GROUPS) * (bits / 4) * GROUP_BYTES;
+    const uint8_t* q = wq + (nb * G + sb * GROUPS) * gb;
     const uint8_t* sc = wsm + (nb * SB + sb) * SCALES;
     const uint8_t* m = sc + GROUPS * LANES;
     const float* d = wdd + (nb * SB + sb) * FACTORS;
@@ -382,13 +380,13 @@ inline void block_out(int64_t rows, const int8_t* xq, int64_t K, const float* xs
     for (int64_t g = 0; g < (sb + 1 < SB ? GROUPS : last); ++g) {
       const int8_t* x = xq + m0 * Kp + sb * SUPER + g * GROUP;
       if (mb > MBLOCK && m0 == 0)  // the next block's group, on the way from memory while this one's rows run
-        for (int64_t line = 0; line < bits; ++line) __builtin_prefetch(q + G * (bits / 4) * GROUP_BYTES + g * 64 * bits + line * 64, 0, 3);
+        for (int64_t line = 0; line < gb / 64; ++line) __builtin_prefetch(q + G * gb + g * gb + line * 64, 0, 3);
 #if D3D_Q4_PATH == 2
-      if constexpr (bits == 4 && mb == ROWS) group_add_rows(x, Kp, n, q + g * 256, sc + g * LANES, A);
+      if constexpr (bits == 4 && mb == ROWS) group_add_rows(x, Kp, n, q + g * gb, sc + g * LANES, A);
       else
 #endif
-      if constexpr (bits == 4) group_add<mb>(x, Kp, q + g * 256, sc + g * LANES, 1, A);
-      else group_add8<mb>(x, Kp, q + g * 512, sc + g * LANES, A);
+      if constexpr (bits == 4) group_add<mb>(x, Kp, q + g * gb, sc + g * LANES, A);
+      else group_add8<mb>(x, Kp, q + g * gb, sc + g * LANES, A);
     }
     if constexpr (bits == 8 && Q8_CENTRED)  // the 127 that group_add8 took out of every q: 127 * sum_g sc * sum(x)
       for (int64_t i = 0; i < n; ++i) {
