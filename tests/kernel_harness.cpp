@@ -2,7 +2,7 @@
 // is FNV-1a over the output bits. Built once per vector path (and cross-built for aarch64, run under qemu)
 // by tests/test_kernel_paths.py, which checks that every build prints the same lines: the fp32 products
 // (1 to 16 rows, whole and partial k chunks, one row shared out at a half group), the int8 products with
-// row quantization, the int4 products (4 and 8 bits, a partial super-block), and a layer's row-by-row parts (norm, rotary, attention with and without a mask at
+// row quantization, the int4 products (4, 6 and 8 bits, a partial super-block), and a layer's row-by-row parts (norm, rotary, attention with and without a mask at
 // head dims 64 and 128, SiLU).
 // Only IEEE-exact operations are involved (no libm beyond sqrt, fabs and nearbyint), so the lines are the
 // same on every CPU, not only on every path of one CPU.
@@ -88,10 +88,10 @@ void q4_products() {
   namespace q4 = d3d::q4;
   const int64_t N = 40, K = 300, SB = (K + q4::SUPER - 1) / q4::SUPER, NB = (N + q4::LANES - 1) / q4::LANES;
   std::vector<float> bias = randoms(N);
-  for (int64_t bits : {4, 8}) {
-    std::vector<uint8_t> wq(NB * ((K + q4::GROUP - 1) / q4::GROUP) * (bits / 4) * q4::GROUP_BYTES), wsm(NB * SB * q4::SCALES);
+  for (int64_t bits : {4, 6, 8}) {  // 6 bits: any bytes are nibbles and top bits
+    std::vector<uint8_t> wq(NB * ((K + q4::GROUP - 1) / q4::GROUP) * bits * q4::GROUP_BYTES / 4), wsm(NB * SB * q4::SCALES);
     std::vector<float> wdd(NB * SB * q4::FACTORS);
-    for (uint8_t& b : wq) b = bits == 4 ? uint8_t(int(next(128.f)) + 128) : uint8_t(int(next(127.f)) + 127);  // 8 bits: q <= 254
+    for (uint8_t& b : wq) b = bits != 8 ? uint8_t(int(next(128.f)) + 128) : uint8_t(int(next(127.f)) + 127);  // 8 bits: q <= 254
     for (uint8_t& b : wsm) b = uint8_t(int(next(32.f)) + 32);
     for (float& f : wdd) f = next(0.01f) + 0.011f;
     for (int64_t M : {1, 3, 4, 7, 9, 14, 21}) {

@@ -31,7 +31,8 @@ def reference(x: torch.Tensor, parts: tuple, bias: torch.Tensor) -> torch.Tensor
     return (xq.double() @ dequantize_q4(*parts).double().T + bias.double()).float()
 
 
-@pytest.mark.parametrize("n, k, bits", [(48, 512, 4), (40, 300, 4), (32, 256, 8), (17, 600, 8)])
+@pytest.mark.parametrize("n, k, bits", [(48, 512, 4), (40, 300, 4), (32, 256, 6), (17, 600, 6), (32, 256, 8),
+                                         (17, 600, 8)])
 def test_int4_kernel_equals_its_math_and_is_batch_invariant(n, k, bits):
     load_kernels()
     torch.manual_seed(n + k)
@@ -44,7 +45,7 @@ def test_int4_kernel_equals_its_math_and_is_batch_invariant(n, k, bits):
     rows = torch.cat([torch.ops.d3d.q4_linear(x[i:i + 1], *parts, bias) for i in range(len(x))])
     assert torch.equal(y, rows)  # each row on its own gives the same bits
     error = (dequantize_q4(*parts) - w).norm() / w.norm()
-    assert error < (0.1 if bits == 4 else 0.01), error  # 4 bits: ~8% on Gaussian weights; 8 bits: ~0.5%
+    assert error < {4: 0.1, 6: 0.03, 8: 0.01}[bits], error  # Gaussian weights: 4 bits ~8%, 6 bits ~2%, 8 bits ~0.5%
 
 
 def q4k_blocks(rows: int, k: int, seed: int = 0) -> np.ndarray:
@@ -89,6 +90,41 @@ def test_gguf_q8_0_tensors_load_in_8_bits_closely(tmp_path):
     want = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q8_0).reshape(24, 512))
     got = dequantize_q4(*pack_q4_parts(*parts))
     assert ((got - want).norm() / want.norm()) < 0.01
+
+
+@pytest.mark.parametrize("kind, bits", [("Q6_K", 6), ("Q5_0", 6)])
+def test_gguf_q6_k_and_q5_0_tensors_load_in_6_bits_closely(tmp_path, kind, bits):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    if kind == "Q6_K":  # random Q6_K blocks (210 bytes per 256 weights: 128 + 64 bytes of q, 16 int8 scales, fp16 d)
+        rng = np.random.default_rng(2)
+        raw = rng.integers(0, 256, size=(24, 2, 210), dtype=np.uint8)
+        raw[..., 208:210] = np.full((24, 2, 1), 1e-3, dtype=np.float16).view(np.uint8)
+        raw = raw.reshape(24, -1)
+    else:
+        from gguf.quants import quantize
+        raw = quantize(np.random.default_rng(3).normal(0, 0.02, size=(24, 512)).astype(np.float32),
+                       GGMLQuantizationType.Q5_0)
+    parts = _parts(FakeTensor(tmp_path / "q.bin", raw, kind))
+    assert parts[5] == bits
+    packed = pack_q4_parts(*parts)
+    assert packed[0].shape[2] == 64 * bits
+    want = torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind]).reshape(24, 512))
+    got = dequantize_q4(*packed)
+    assert ((got - want).norm() / want.norm()) < 0.03
+
+
+def test_parts_of_fewer_bits_join_exactly():
+    from d3d.runtime.gguf_load import _join
+
+    w = [torch.randn(16, 256) * 0.02 for _ in range(3)]
+    parts = [(*q4_parts(x, b), b) for x, b in zip(w, (4, 6, 8))]
+    for pair in ([parts[0], parts[1]], [parts[0], parts[2]], [parts[1], parts[2]]):
+        joined = _join(pair)
+        assert joined[5] == max(p[5] for p in pair)
+        want = torch.cat([dequantize_q4(*pack_q4_parts(*p)) for p in pair])
+        assert torch.allclose(dequantize_q4(*pack_q4_parts(*joined)), want, rtol=0, atol=1e-7)
 
 
 @pytest.fixture(scope="module")

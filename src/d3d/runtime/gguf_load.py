@@ -5,9 +5,11 @@ Q4_K_M file becomes 6 GB and a 7-8B one does not fit a 24 GB machine. Here no te
 beyond a chunk of rows:
 - Q4_K tensors become Int4Linear weights bit for bit (the kernel's layout is Q4_K's: d * sc * q - dmin * m);
 - Q6_K / Q5_0 / Q8_0 / F16 tensors (a Q4_K_M file keeps its sensitive tensors in them) are dequantized a
-  chunk of rows at a time and requantized to 8 bits over the same scales; Q4_0 / Q4_1 / F32 matrices to 4;
-- projections fused by the runtime (q, k, v; gate, up) are joined row-wise, a 4-bit part promoted exactly to
-  8 bits where another part has 8 (q * 16 over d / 16);
+  chunk of rows at a time and requantized over the same scales: Q6_K and Q5_0 to 6 bits (in 8 they made the
+  pair's Q4_K_M target read 1.13 GB a token against llama.cpp's 0.98), Q8_0 / F16 to 8; Q4_0 / Q4_1 / F32
+  matrices to 4;
+- projections fused by the runtime (q, k, v; gate, up) are joined row-wise, a part of fewer bits promoted exactly
+  to the most any part has (q * 2^(bits - b) over d / 2^(bits - b));
 - the token embedding is kept as int8 rows with one scale each (QuantEmbedding), looked up row by row.
 The model folder beside it (config.json, tokenizer, SOURCE_FILE naming the GGUF) holds no weights.
 """
@@ -31,7 +33,7 @@ from .quantize import HEAD_BITS, Int4Linear
 from .target import Transformer
 
 CHUNK_ROWS = 4096  # rows dequantized at once (Q6_K head of a 151,936-token vocabulary: 25 MB of fp32 per chunk)
-FOUR_BIT_SOURCES = ("Q4_0", "Q4_1", "F32")  # requantized to 4 bits; any other type to 8
+SOURCE_BITS = {"Q4_0": 4, "Q4_1": 4, "F32": 4, "Q5_0": 6, "Q5_1": 6, "Q5_K": 6, "Q6_K": 6}  # requantized to; others 8
 
 
 def target_gguf(target: str | None) -> tuple[Path, str] | None:
@@ -122,24 +124,25 @@ def _q4k_parts(t, start: int = 0, stop: int | None = None) -> tuple:
 
 
 def _parts(t, min_bits: int = 4) -> tuple:
-    """q4_parts of GGUF matrix `t` (Q4_K exactly; other types requantized a chunk of rows at a time, in 8 bits
-    unless FOUR_BIT_SOURCES; at least min_bits)."""
+    """q4_parts of GGUF matrix `t` (Q4_K exactly; other types requantized a chunk of rows at a time, to
+    SOURCE_BITS or 8; at least min_bits)."""
     kind = t.tensor_type.name
     if kind == "Q4_K":
         return _q4k_parts(t)
-    bits = max(min_bits, 4 if kind in FOUR_BIT_SOURCES else 8)
+    bits = max(min_bits, SOURCE_BITS.get(kind, 8))
     N = t.data.shape[0]
     chunks = [q4_parts(torch.from_numpy(_rows(t, i, min(N, i + CHUNK_ROWS))), bits) for i in range(0, N, CHUNK_ROWS)]
     return (*(torch.cat(c) for c in zip(*(c[:5] for c in chunks))), bits)
 
 
 def _join(parts: list[tuple]) -> tuple:
-    """Row-wise concatenation of q4_parts; 4-bit parts become 8-bit exactly where another is 8-bit."""
+    """Row-wise concatenation of q4_parts; a part of fewer bits than another is promoted exactly (4 to 6 bits:
+    q 0..60, 4 to 8: 0..240, 6 to 8: 0..252)."""
     bits = max(p[5] for p in parts)
     joined = []
     for q, sc, m, d, dmin, b in parts:
         if b < bits:
-            q, d = q.to(torch.uint8) * 16, d / 16  # 0..240
+            q, d = q.to(torch.uint8) * 2 ** (bits - b), d / 2 ** (bits - b)
         joined.append((q.to(torch.uint8), sc, m, d, dmin))
     return (*(torch.cat(c) for c in zip(*joined)), bits)
 
@@ -150,8 +153,8 @@ def _linear(parts: list[tuple], bias: torch.Tensor | None = None):
 
 
 def _head(t) -> Int4Linear:
-    """The LM head (HEAD_BITS, or Q4_K's own 4 bits), packed a chunk of rows at a time: its transients stay
-    a chunk's, not a whole vocabulary's."""
+    """The LM head (Q4_K's own 4 bits, 6 for a Q6_K head as Q4_K_M files keep it, else HEAD_BITS), packed a
+    chunk of rows at a time: its transients stay a chunk's, not a whole vocabulary's."""
     N = t.data.shape[0]
     packed = []
     for i in range(0, N, CHUNK_ROWS):
@@ -159,7 +162,8 @@ def _head(t) -> Int4Linear:
         if t.tensor_type.name == "Q4_K":
             parts = _q4k_parts(t, i, i + rows)
         else:
-            parts = (*q4_parts(torch.from_numpy(_rows(t, i, i + rows)), HEAD_BITS), HEAD_BITS)
+            bits = 6 if t.tensor_type.name == "Q6_K" else HEAD_BITS
+            parts = (*q4_parts(torch.from_numpy(_rows(t, i, i + rows)), bits), bits)
         packed.append(pack_q4_parts(*parts))
     return Int4Linear((*(torch.cat([p[j] for p in packed]) for j in range(3)), torch.tensor([N, packed[0][3][1]])))
 

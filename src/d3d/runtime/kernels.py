@@ -4,8 +4,8 @@
   input row on its own (symmetric int8 of x * smooth) and multiplies it with per-row int8 weights packed
   [N/16, K/4, 16, 4] (AVX512-VNNI `vpdpbusd`: 16 outputs per instruction; AVX2 `vpmaddubsw`; NEON `sdot`;
   or plain loops): the integer sums are exact, so every path gives the same numbers.
-- torch.ops.d3d.q4_linear(x, q, scales, factors, shape, bias) (`--quantize int4`): 4-bit weights (or 8-bit
-  for the tensors that need them) with GGUF Q4_K's scales, per 32 (6-bit sc, m) and per 256 (fp32 d, dmin), and
+- torch.ops.d3d.q4_linear(x, q, scales, factors, shape, bias) (`--quantize int4`): 4-bit weights (or 6- or
+  8-bit for the tensors that need them) with GGUF Q4_K's scales, per 32 (6-bit sc, m) and per 256 (fp32 d, dmin), and
   activations quantized per 256 (csrc/q4_kernel.h); integer sums per super-block, so every path agrees.
 - torch.ops.d3d.fp32_linear(x, packed, bias): fp32 products, each sum over k in order by fused
   multiply-adds, on weights packed [N/64, K, 64] (pack_fp32).
@@ -181,8 +181,8 @@ def pack_q4_parts(q: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.T
     """Weights w[n, k] = d[n, k // 256] * sc[n, k // 32] * q[n, k] - dmin[n, k // 256] * m[n, k // 32] in
     q4_linear's layout (csrc/q4_kernel.h): (q u8 [N/16, G, bits * 64] for the G = ceil(K / 32) groups that hold
     any k < K, sc and m u8 [N/16, SB, 2, 8, 16], d and dmin fp32 [N/16, SB, 2, 16], shape int64 [N, K]). q [N, K]
-    holds 0..15 (bits 4) or 0..254 (bits 8), k padded with zeros to whole groups (the scales to whole
-    super-blocks) and n to whole blocks of 16."""
+    holds 0..15 (bits 4), 0..63 (bits 6) or 0..254 (bits 8), k padded with zeros to whole groups (the scales to
+    whole super-blocks) and n to whole blocks of 16."""
     N, K = q.shape
     SB = -(-K // Q4_SUPER)
     Np, Kp = -(-N // LANES) * LANES, SB * Q4_SUPER
@@ -193,9 +193,13 @@ def pack_q4_parts(q: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.T
         return out
 
     q = pad(q.to(torch.uint8), Kp)
-    if bits == 4:  # (nb, l, sb, pair, half, j) -> (nb, sb, pair, l, j): low nibble step 2p, high 2p + 1
-        v = q.view(Np // LANES, LANES, SB, 32, 2, 4).permute(0, 2, 3, 4, 1, 5)
-        packed = v[:, :, :, 0] | (v[:, :, :, 1] << 4)
+    if bits in (4, 6):  # (nb, l, sb, pair, half, j) -> (nb, sb, pair, l, j): low nibble step 2p, high 2p + 1
+        v = (q & 15).view(Np // LANES, LANES, SB, 32, 2, 4).permute(0, 2, 3, 4, 1, 5)
+        packed = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).reshape(Np // LANES, SB * 8, -1)
+        if bits == 6:  # each group's top two bits after its nibbles: (nb, l, sb, g, plane, i, j) -> (nb, sb, g, plane, l, j, i)
+            t = (q >> 4).view(Np // LANES, LANES, SB, 8, 2, 4, 4).permute(0, 2, 3, 4, 1, 6, 5)
+            top = t[..., 0] | (t[..., 1] << 2) | (t[..., 2] << 4) | (t[..., 3] << 6)
+            packed = torch.cat([packed, top.reshape(Np // LANES, SB * 8, -1)], 2)
     else:  # (nb, l, sb, step, j) -> (nb, sb, step, l, j)
         packed = q.view(Np // LANES, LANES, SB, 64, 4).permute(0, 2, 3, 1, 4)
     groups = [pad(t.to(torch.uint8), SB * 8).view(Np // LANES, LANES, SB, 8).permute(0, 2, 3, 1) for t in (sc, m)]
@@ -216,7 +220,7 @@ def q4_parts(weight: torch.Tensor, bits: int = 4) -> tuple[torch.Tensor, ...]:
     w[:, :K] = weight.float()
     g = w.view(N, SB, 8, Q4_GROUP)
     lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
-    qmax = 15 if bits == 4 else 254  # 8 bits: q - 127 fits a signed byte (csrc/q4_kernel.h, group_add8)
+    qmax = {4: 15, 6: 63, 8: 254}[bits]  # 8 bits: q - 127 fits a signed byte (csrc/q4_kernel.h, group_add8)
     scale, offset = (hi - lo) / qmax, -lo
     d = scale.amax(-1, keepdim=True) / 63
     dmin = offset.amax(-1, keepdim=True) / 63
@@ -239,9 +243,14 @@ def dequantize_q4(q: torch.Tensor, scales: torch.Tensor, factors: torch.Tensor, 
     NB, G, width = q.shape
     SB = -(-K // Q4_SUPER)
     q = torch.cat([q, q.new_zeros(NB, SB * 8 - G, width)], 1)  # the padding groups, back as zeros
-    if width == Q4_GROUP * LANES // 2:  # 4 bits
-        v = q.view(NB, SB, 32, LANES, 4)
+    nibbles = Q4_GROUP * LANES // 2
+    if width < 2 * nibbles:  # 4 or 6 bits
+        v = q[..., :nibbles].reshape(NB, SB, 32, LANES, 4)
         vals = torch.stack([v & 15, v >> 4], 3).permute(0, 4, 1, 2, 3, 5)  # (nb, l, sb, pair, half, j)
+        if width > nibbles:  # 6 bits: (nb, sb, g, plane, l, j) bytes of 4 steps' top bits -> (nb, l, sb, g, plane, i, j)
+            t = q[..., nibbles:].reshape(NB, SB, 8, 2, LANES, 4)
+            top = torch.stack([(t >> (2 * i)) & 3 for i in range(4)], 5).permute(0, 4, 1, 2, 3, 5, 6)
+            vals = vals | (top.reshape(vals.shape) << 4)
     else:
         vals = q.view(NB, SB, 64, LANES, 4).permute(0, 3, 1, 2, 4)  # (nb, l, sb, step, j)
     vals = vals.reshape(NB * LANES, SB, 8, Q4_GROUP).float()

@@ -1,13 +1,17 @@
-// d3d::q4_linear (`--quantize int4`): y = x @ w.T with 4-bit (or 8-bit) weights in GGUF Q4_K's layout of
+// d3d::q4_linear (`--quantize int4`): y = x @ w.T with 4-bit (or 6- or 8-bit) weights in GGUF Q4_K's layout of
 // scales, and activations quantized in blocks of 256 as llama.cpp's Q8_K does.
 //
 // Weights. Along k, each output row is cut into super-blocks of 256 (zero-padded), each into 8 groups of 32;
-// a weight is w = d * sc * q - dmin * m, with q in 0..15 (nibbles; `bits` 4) or 0..254 (bytes; `bits` 8), sc and m in 0..63 per group, d and dmin fp32 per super-block. That is exactly Q4_K
-// (whose tensors load bit for bit, d3d.runtime.gguf_load), and 8 bits over the same scales hold Q5_0 / Q6_K /
-// Q8_0 tensors closely. Packed per 16 outputs (pack_q4): the groups that hold any k < K one after the other
+// a weight is w = d * sc * q - dmin * m, with q in 0..15 (nibbles; `bits` 4), 0..63 (`bits` 6) or 0..254 (bytes;
+// `bits` 8), sc and m in 0..63 per group, d and dmin fp32 per super-block. That is exactly Q4_K (whose tensors
+// load bit for bit, d3d.runtime.gguf_load); 6 bits over the same scales hold Q6_K / Q5_0 tensors closely (a Q4_K_M
+// file's Q6_K tensors are 28% of its weights: in 8 bits they made d3d read 15% more bytes a token than llama.cpp),
+// 8 bits Q8_0. Packed per 16 outputs (pack_q4): the groups that hold any k < K one after the other
 // (no padding groups: a one-row product streams the weights, and a gap in the stream defeated the hardware
 // prefetcher: 576 inputs took twice the time of 768), each, 4 bits: the nibbles of steps 2p (low) and 2p + 1
-// (high) of 4 k each, [4 pairs][16 outputs][4 k] bytes; 8 bits: [8 steps][16 outputs][4 k] bytes; per
+// (high) of 4 k each, [4 pairs][16 outputs][4 k] bytes; 6 bits: the same nibbles of q's low 4 bits, then q's top 2
+// bits in [2 planes][16 outputs][4 k] bytes, plane h holding step 4h + i in bits 2i, 2i + 1; 8 bits: [8 steps][16
+// outputs][4 k] bytes; per
 // super-block sc [8][16] and m [8][16] (u8) in a tensor of their own, d [16] and dmin [16] (fp32) in a third.
 //
 // Activations. Each row is quantized per super-block (int8::quantize_row on its 256 values: symmetric int8
@@ -36,7 +40,8 @@
 namespace d3d::q4 {
 
 constexpr int64_t LANES = 16, SUPER = 256, GROUP = 32, GROUPS = SUPER / GROUP;
-constexpr int64_t GROUP_BYTES = GROUP * LANES / 2;    // weight bytes per 16 outputs and group at 4 bits (x 2 at 8)
+constexpr int64_t GROUP_BYTES = GROUP * LANES / 2;    // weight bytes per 16 outputs and group at 4 bits (x bits / 4)
+constexpr int64_t NIBBLES = GROUP_BYTES;              // where a 6-bit group's plane of top bits starts
 constexpr int64_t SCALES = 2 * GROUPS * LANES;        // sc and m bytes per 16 outputs and super-block
 constexpr int64_t FACTORS = 2 * LANES;                // d and dmin per 16 outputs and super-block
 constexpr int64_t MBLOCK = 4;
@@ -104,6 +109,15 @@ inline void nibbles(const uint8_t* w, int64_t p, __m512i& even, __m512i& odd) {
   odd = _mm512_and_si512(_mm512_srli_epi16(r, 4), low);
 }
 
+// The same pair of a 6-bit group: the nibbles with the steps' top two bits put above them (bits 4, 5).
+inline void sixes(const uint8_t* w, int64_t p, __m512i& even, __m512i& odd) {
+  nibbles(w, p, even, odd);
+  const __m512i h = _mm512_srli_epi16(_mm512_loadu_si512(w + NIBBLES + p / 2 * 64), 4 * (p % 2));
+  const __m512i top = _mm512_set1_epi8(0x30);
+  even = _mm512_or_si512(even, _mm512_and_si512(_mm512_slli_epi16(h, 4), top));
+  odd = _mm512_or_si512(odd, _mm512_and_si512(_mm512_slli_epi16(h, 2), top));
+}
+
 // A[i] += s * (acc[i] + odd[i]) for rows i < mb (s: the group's 16 scales as int32).
 template <int64_t mb>
 inline void add_scaled(const __m512i* acc, const __m512i* odd, __m512i s, int32_t A[mb][LANES]) {
@@ -133,9 +147,9 @@ inline void unpack_group(const uint8_t* w, __m256i (*wv)[4]) {
 }
 #endif
 
-// A[i][l] += sc[l] * (sum over the group's 32 k of x[i * stride + k] * nibble(output l, k)), for rows
-// i < mb; w: the group's 4 pairs of steps in one plane (256 bytes); sc: the group's 16 scales.
-template <int64_t mb>
+// A[i][l] += sc[l] * (sum over the group's 32 k of x[i * stride + k] * q(output l, k)), for rows i < mb; w: the
+// group's 4 pairs of steps of nibbles (256 bytes; 6 bits: then the plane of top bits); sc: the group's 16 scales.
+template <int64_t bits, int64_t mb>
 inline void group_add(const int8_t* x, int64_t stride, const uint8_t* w, const uint8_t* sc, int32_t A[mb][LANES]) {
 #if D3D_Q4_PATH == 1
   // each row sums its even and odd steps in two chains, so that one row does not wait on vpdpbusd's latency
@@ -143,7 +157,8 @@ inline void group_add(const int8_t* x, int64_t stride, const uint8_t* w, const u
   for (int64_t i = 0; i < mb; ++i) acc[i] = odd[i] = _mm512_setzero_si512();
   for (int64_t p = 0; p < 4; ++p) {
     __m512i e, o;
-    nibbles(w, p, e, o);
+    if constexpr (bits == 6) sixes(w, p, e, o);
+    else nibbles(w, p, e, o);
     for (int64_t i = 0; i < mb; ++i) {
       acc[i] = _mm512_dpbusd_epi32(acc[i], e, _mm512_set1_epi32(int8::quad(x + i * stride + p * 8)));
       odd[i] = _mm512_dpbusd_epi32(odd[i], o, _mm512_set1_epi32(int8::quad(x + i * stride + p * 8 + 4)));
@@ -151,6 +166,38 @@ inline void group_add(const int8_t* x, int64_t stride, const uint8_t* w, const u
   }
   add_scaled<mb>(acc, odd, scales32(sc), A);
 #elif D3D_Q4_PATH == 2
+  if constexpr (bits == 6) {
+    // a pair's two vpmaddubsw sum at most 4 * 63 * 127 = 32004 in int16, and no more: vpmaddwd scales each pair's
+    // sums into int32 (as group_add8 does each step)
+    const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+    const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
+    const __m256i s[2] = {_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(s8, s8)), _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(s8, s8))};
+    __m256i acc[mb][2];
+    for (int64_t i = 0; i < mb; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+    for (int64_t p = 0; p < 4; ++p) {
+      __m256i e[2], o[2];
+      for (int64_t h = 0; h < 2; ++h) {  // outputs 0-7, 8-15
+        const __m256i r = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 64 + h * 32));
+        const __m256i t = _mm256_srli_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + NIBBLES + p / 2 * 64 + h * 32)), 4 * (p % 2));
+        e[h] = _mm256_or_si256(_mm256_and_si256(r, low), _mm256_and_si256(_mm256_slli_epi16(t, 4), top));
+        o[h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(r, 4), low), _mm256_and_si256(_mm256_slli_epi16(t, 2), top));
+      }
+      for (int64_t i = 0; i < mb; ++i) {
+        const __m256i a = _mm256_set1_epi32(int8::quad(x + i * stride + p * 8));
+        const __m256i b = _mm256_set1_epi32(int8::quad(x + i * stride + p * 8 + 4));
+        for (int64_t h = 0; h < 2; ++h)
+          acc[i][h] = _mm256_add_epi32(acc[i][h], _mm256_madd_epi16(
+              _mm256_add_epi16(_mm256_maddubs_epi16(e[h], a), _mm256_maddubs_epi16(o[h], b)), s[h]));
+      }
+    }
+    for (int64_t i = 0; i < mb; ++i)
+      for (int64_t h = 0; h < 2; ++h) {
+        __m256i* out = reinterpret_cast<__m256i*>(A[i]) + h;
+        _mm256_storeu_si256(out, _mm256_add_epi32(_mm256_loadu_si256(out), acc[i][h]));
+      }
+    return;
+  }
   // int16 sums stay exact: 8 steps of two products of at most 15 * 127 each, 30480 in all; vpmaddwd then
   // multiplies each output's two int16 sums by its scale and adds them in int32. The group's nibbles are
   // unpacked once into `wv` (L1), then each row runs on its own accumulators: with all rows' accumulators and
@@ -180,8 +227,14 @@ inline void group_add(const int8_t* x, int64_t stride, const uint8_t* w, const u
     int8x16_t e[4], o[4];
     for (int64_t j = 0; j < 4; ++j) {
       const uint8x16_t r = vld1q_u8(w + p * 64 + j * 16);
-      e[j] = vreinterpretq_s8_u8(vandq_u8(r, low));
-      o[j] = vreinterpretq_s8_u8(vshrq_n_u8(r, 4));
+      uint8x16_t even = vandq_u8(r, low), odd = vshrq_n_u8(r, 4);
+      if constexpr (bits == 6) {  // the steps' top two bits above the nibbles: values 0..63, still signed bytes
+        const uint8x16_t t0 = vld1q_u8(w + NIBBLES + p / 2 * 64 + j * 16), t = p % 2 ? vshrq_n_u8(t0, 4) : t0;
+        even = vorrq_u8(even, vandq_u8(vshlq_n_u8(t, 4), vdupq_n_u8(0x30)));
+        odd = vorrq_u8(odd, vandq_u8(vshlq_n_u8(t, 2), vdupq_n_u8(0x30)));
+      }
+      e[j] = vreinterpretq_s8_u8(even);
+      o[j] = vreinterpretq_s8_u8(odd);
     }
     for (int64_t i = 0; i < mb; ++i) {
       const int8x16_t a = vreinterpretq_s8_s32(vdupq_n_s32(int8::quad(x + i * stride + p * 8)));
@@ -197,7 +250,10 @@ inline void group_add(const int8_t* x, int64_t stride, const uint8_t* w, const u
       for (int64_t p = 0; p < 4; ++p)
         for (int64_t j = 0; j < 4; ++j) {
           const uint8_t byte = w[p * 64 + l * 4 + j];
-          s += int32_t(x[i * stride + p * 8 + j]) * (byte & 0x0F) + int32_t(x[i * stride + p * 8 + 4 + j]) * (byte >> 4);
+          // 6 bits: steps 2p and 2p + 1's top bits, in the plane of steps 4 (p / 2) .. 4 (p / 2) + 3
+          const int32_t t = bits == 6 ? w[NIBBLES + p / 2 * 64 + l * 4 + j] >> (4 * (p % 2)) : 0;
+          s += int32_t(x[i * stride + p * 8 + j]) * ((byte & 0x0F) | (t & 3) << 4) +
+               int32_t(x[i * stride + p * 8 + 4 + j]) * ((byte >> 4) | (t >> 2 & 3) << 4);
         }
       A[i][l] += int32_t(sc[l]) * s;
     }
@@ -368,7 +424,7 @@ inline void block_out(int64_t rows, const int8_t* xq, int64_t K, const float* xs
                       const float* bias, float* y) {
   const int64_t SB = (K + SUPER - 1) / SUPER, Kp = SB * SUPER, G = (K + GROUP - 1) / GROUP, last = G - (SB - 1) * GROUPS;
   const int64_t n0 = nb * LANES, nl = std::min(LANES, N - n0), n = mb == ROWS ? rows : mb;
-  constexpr int64_t gb = (bits / 4) * GROUP_BYTES;  // a group's weight bytes
+  constexpr int64_t gb = bits * GROUP_BYTES / 4;  // a group's weight bytes
   float acc[mb][LANES] = {};
   for (int64_t sb = 0; sb < SB; ++sb) {
     const uint8_t* q = wq + (nb * G + sb * GROUPS) * gb;
@@ -385,8 +441,8 @@ inline void block_out(int64_t rows, const int8_t* xq, int64_t K, const float* xs
       if constexpr (bits == 4 && mb == ROWS) group_add_rows(x, Kp, n, q + g * gb, sc + g * LANES, A);
       else
 #endif
-      if constexpr (bits == 4) group_add<mb>(x, Kp, q + g * gb, sc + g * LANES, A);
-      else group_add8<mb>(x, Kp, q + g * gb, sc + g * LANES, A);
+      if constexpr (bits == 8) group_add8<mb>(x, Kp, q + g * gb, sc + g * LANES, A);
+      else group_add<bits, mb>(x, Kp, q + g * gb, sc + g * LANES, A);
     }
     if constexpr (bits == 8 && Q8_CENTRED)  // the 127 that group_add8 took out of every q: 127 * sum_g sc * sum(x)
       for (int64_t i = 0; i < n; ++i) {
@@ -436,6 +492,7 @@ inline void blocks(int64_t bits, const int8_t* xq, int64_t M, int64_t K, const f
     for (int64_t m0 = 0; m0 < M; m0 += step) {
       const int64_t mb = std::min(step, M - m0);
       if (bits == 8) rows_out<8>(mb, xq, K, xs, xsum, wq, wsm, wdd, nb, N, m0, bias, y);
+      else if (bits == 6) rows_out<6>(mb, xq, K, xs, xsum, wq, wsm, wdd, nb, N, m0, bias, y);
       else rows_out<4>(mb, xq, K, xs, xsum, wq, wsm, wdd, nb, N, m0, bias, y);
     }
 }

@@ -13,7 +13,7 @@ at::Tensor d3d::q4_linear(const at::Tensor& x_, const at::Tensor& q, const at::T
               "q4_linear takes float activations and weights packed by pack_q4");
   const int64_t N = shape.data_ptr<int64_t>()[0], K = shape.data_ptr<int64_t>()[1];
   const int64_t NB = q.size(0), SB = (K + SUPER - 1) / SUPER, bits = 4 * q.size(2) / GROUP_BYTES;
-  TORCH_CHECK(x_.size(-1) == K && (K + GROUP - 1) / GROUP == q.size(1) && N <= NB * LANES && (bits == 4 || bits == 8) &&
+  TORCH_CHECK(x_.size(-1) == K && (K + GROUP - 1) / GROUP == q.size(1) && N <= NB * LANES && (bits == 4 || bits == 6 || bits == 8) &&
               scales.numel() == NB * SB * SCALES && factors.numel() == NB * SB * FACTORS,
               "q4_linear: shapes do not match the packed weight");
   at::Tensor x = x_.reshape({-1, K}).contiguous();
