@@ -31,6 +31,8 @@
 #if defined(D3D_SCALAR)
 #elif defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define D3D_Q4_PATH 1  // vpdpbusd on 512-bit registers: u8 weights x s8 activations summed in fours, 16 outputs per op
+#elif defined(__AVXVNNI__)
+#define D3D_Q4_PATH 4  // AVX-VNNI: path 1's vpdpbusd on 256-bit registers, each 16 outputs in two halves
 #elif defined(__AVX2__)
 #define D3D_Q4_PATH 2  // vpmaddubsw: u8 nibbles x s8 activations, pairs summed in int16 over a group, then int32
 #elif defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
@@ -49,7 +51,7 @@ constexpr int64_t ROWS = 16;  // rows per pass at most where 4-bit products take
 constexpr int64_t WIDE = 8;   // rows per pass at most with vpdpbusd (two accumulators a row, 32 registers)
 // group_add8 sums (q - 127) * x, and its caller adds 127 * sc * sum(x) back, except with vpdpbusd, whose unsigned
 // operand takes q (0..254) as it is. Either way A is the same integer.
-#if D3D_Q4_PATH == 1
+#if D3D_Q4_PATH == 1 || D3D_Q4_PATH == 4
 constexpr bool Q8_CENTRED = false;
 #else
 constexpr bool Q8_CENTRED = true;
@@ -58,6 +60,8 @@ constexpr bool Q8_CENTRED = true;
 inline const char* q4_path() {
 #if D3D_Q4_PATH == 1
   return "avx512-vnni";
+#elif D3D_Q4_PATH == 4
+  return "avx-vnni";
 #elif D3D_Q4_PATH == 2
   return "avx2";
 #elif D3D_Q4_PATH == 3
@@ -132,6 +136,54 @@ inline __m512i scales32(const uint8_t* sc) {
 }
 #endif
 
+#if D3D_Q4_PATH == 4
+// Half h (outputs 8h .. 8h + 7) of pair p of a group's steps as bytes, step 2p in `even`, 2p + 1 in `odd` (6 bits:
+// the top two bits put above the nibbles, as path 1's sixes).
+template <int64_t bits>
+inline void half_pair(const uint8_t* w, int64_t p, int64_t h, __m256i& even, __m256i& odd) {
+  const __m256i r = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 64 + h * 32));
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  even = _mm256_and_si256(r, low);
+  odd = _mm256_and_si256(_mm256_srli_epi16(r, 4), low);
+  if constexpr (bits == 6) {
+    const __m256i t = _mm256_srli_epi16(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + NIBBLES + p / 2 * 64 + h * 32)), 4 * (p % 2));
+    const __m256i top = _mm256_set1_epi8(0x30);
+    even = _mm256_or_si256(even, _mm256_and_si256(_mm256_slli_epi16(t, 4), top));
+    odd = _mm256_or_si256(odd, _mm256_and_si256(_mm256_slli_epi16(t, 2), top));
+  }
+}
+
+// Pair p of a group's steps for rows i < mb: acc[i][h] += even[h] . x's 4 k of step 2p, odd[i][h] (or acc with
+// `split` false) += odd[h] . x's 4 k of step 2p + 1.
+template <int64_t mb, bool split>
+inline void pair_dots(const int8_t* x, int64_t stride, int64_t p, const __m256i* even, const __m256i* odd_w,
+                      __m256i (*acc)[2], __m256i (*odd)[2]) {
+  for (int64_t i = 0; i < mb; ++i) {
+    const __m256i a = _mm256_set1_epi32(int8::quad(x + i * stride + p * 8));
+    const __m256i b = _mm256_set1_epi32(int8::quad(x + i * stride + p * 8 + 4));
+    for (int64_t h = 0; h < 2; ++h) {
+      acc[i][h] = _mm256_dpbusd_avx_epi32(acc[i][h], even[h], a);
+      if constexpr (split) odd[i][h] = _mm256_dpbusd_avx_epi32(odd[i][h], odd_w[h], b);
+      else acc[i][h] = _mm256_dpbusd_avx_epi32(acc[i][h], odd_w[h], b);
+    }
+  }
+}
+
+// A[i][8h .. 8h + 7] += s[h] * (acc[i][h] + odd[i][h]) for rows i < mb (s: the group's scales as int32, by half).
+template <int64_t mb, bool split>
+inline void add_scaled(const __m256i (*acc)[2], const __m256i (*odd)[2], const uint8_t* sc, int32_t A[mb][LANES]) {
+  for (int64_t h = 0; h < 2; ++h) {
+    const __m256i s = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8 * h)));
+    for (int64_t i = 0; i < mb; ++i) {
+      const __m256i sum = split ? _mm256_add_epi32(acc[i][h], odd[i][h]) : acc[i][h];
+      __m256i* out = reinterpret_cast<__m256i*>(A[i]) + h;
+      _mm256_storeu_si256(out, _mm256_add_epi32(_mm256_loadu_si256(out), _mm256_mullo_epi32(sum, s)));
+    }
+  }
+}
+#endif
+
 #if D3D_Q4_PATH == 2
 // A group's nibbles (4 pairs of steps, 256 bytes) as bytes: wv[p] = step 2p outputs 0-7, 8-15, step 2p + 1 the same.
 inline void unpack_group(const uint8_t* w, __m256i (*wv)[4]) {
@@ -165,6 +217,18 @@ inline void group_add(const int8_t* x, int64_t stride, const uint8_t* w, const u
     }
   }
   add_scaled<mb>(acc, odd, scales32(sc), A);
+#elif D3D_Q4_PATH == 4
+  // 16 registers: one or two rows sum even and odd steps in chains of their own (a row's two halves alone would
+  // wait on vpdpbusd's latency); from three rows on the rows' chains are enough, and four chains a row would spill
+  constexpr bool split = mb <= 2;
+  __m256i acc[mb][2], odd[mb][2];
+  for (int64_t i = 0; i < mb; ++i) acc[i][0] = acc[i][1] = odd[i][0] = odd[i][1] = _mm256_setzero_si256();
+  for (int64_t p = 0; p < 4; ++p) {
+    __m256i e[2], o[2];
+    for (int64_t h = 0; h < 2; ++h) half_pair<bits>(w, p, h, e[h], o[h]);
+    pair_dots<mb, split>(x, stride, p, e, o, acc, odd);
+  }
+  add_scaled<mb, split>(acc, odd, sc, A);
 #elif D3D_Q4_PATH == 2
   if constexpr (bits == 6) {
     // a pair's two vpmaddubsw sum at most 4 * 63 * 127 = 32004 in int16, and no more: vpmaddwd scales each pair's
@@ -276,6 +340,19 @@ inline void group_add8(const int8_t* x, int64_t stride, const uint8_t* w, const 
     }
   }
   add_scaled<mb>(acc, odd, scales32(sc), A);
+#elif D3D_Q4_PATH == 4
+  constexpr bool split = mb <= 2;
+  __m256i acc[mb][2], odd[mb][2];
+  for (int64_t i = 0; i < mb; ++i) acc[i][0] = acc[i][1] = odd[i][0] = odd[i][1] = _mm256_setzero_si256();
+  for (int64_t p = 0; p < 4; ++p) {  // steps 2p and 2p + 1: 64 bytes each
+    __m256i e[2], o[2];
+    for (int64_t h = 0; h < 2; ++h) {
+      e[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 128 + h * 32));
+      o[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 128 + 64 + h * 32));
+    }
+    pair_dots<mb, split>(x, stride, p, e, o, acc, odd);
+  }
+  add_scaled<mb, split>(acc, odd, sc, A);
 #elif D3D_Q4_PATH == 2
   // |q - 127| <= 127, so vpmaddubsw on |x| and (q - 127) * sign(x) sums two products exactly in int16 (as the
   // int8 kernel does); vpmaddwd multiplies each output's two sums by its scale into int32 every step
@@ -326,7 +403,7 @@ inline void group_add8(const int8_t* x, int64_t stride, const uint8_t* w, const 
 
 // out[l] = sum_g v[g][l] * gs[g] (v: a super-block's sc or m [8][16] u8; gs: a row's group sums of q).
 inline void group_weighted(const uint8_t* v, const int32_t* gs, int32_t* out) {
-#if D3D_Q4_PATH == 1 || D3D_Q4_PATH == 2
+#if D3D_Q4_PATH == 1 || D3D_Q4_PATH == 2 || D3D_Q4_PATH == 4
   __m256i B[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
   for (int64_t g = 0; g < GROUPS; g += 2) {  // vpmaddwd over two groups: v[g][l] * gs[g] + v[g + 1][l] * gs[g + 1]
     const __m128i mg = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v + g * LANES));
@@ -349,7 +426,7 @@ inline void super_block_end(const int32_t* gs, float s, const uint8_t* m, const 
                             const int32_t* A, float* acc) {
   alignas(32) int32_t B[LANES];
   group_weighted(m, gs, B);
-#if D3D_Q4_PATH == 1 || D3D_Q4_PATH == 2
+#if D3D_Q4_PATH == 1 || D3D_Q4_PATH == 2 || D3D_Q4_PATH == 4
   const __m256 sv = _mm256_set1_ps(s);
   for (int64_t h = 0; h < 2; ++h) {
     const __m256 a = _mm256_mul_ps(_mm256_loadu_ps(d + 8 * h),
