@@ -69,8 +69,8 @@ class Int8Linear(nn.Module):
 
 class Int4Linear(nn.Module):
     """nn.Linear replacement for `--quantize int4`: weights in GGUF Q4_K's layout (csrc/q4_kernel.h), 4 bits
-    (or 8 for tensors that need them: the LM head, a GGUF's Q6_K / Q8_0 tensors), activations quantized per
-    256 inputs by torch.ops.d3d.q4_linear. Built from an fp32 nn.Linear (from_linear) or from packed parts
+    (or 6 / 8 for tensors that need them: a GGUF's Q6_K and Q5_0 tensors in 6, the LM head and Q8_0 tensors in 8),
+    activations quantized per 256 inputs by torch.ops.d3d.q4_linear. Built from an fp32 nn.Linear (from_linear) or from packed parts
     (d3d.runtime.gguf_load, a GGUF file tensor by tensor)."""
 
     def __init__(self, parts: tuple[torch.Tensor, ...], bias: torch.Tensor | None = None,
