@@ -6,12 +6,15 @@ timed. Where the forward takes nearly all of the time, the lanes' Python work (p
 bounds the batch: the rows are. Each forward's seconds are also fitted by least squares as a + b * rows over all
 the run's forwards (`fit`): b is what one more row (a tree node, a prompt token) costs in the batch, to set beside
 the width cost curve (one sequence, 256 cached tokens) with which the load-aware budget prices a tree's rows.
+`draft_rows` counts the rows verified beyond each generation's pending token (the speculation the batch paid for).
 `lane_cpu_s` is the CPU time of the generations' own threads (time.thread_time: proposing, verifying, committing;
 the forward runs on the scheduler's thread), which in a batch delays every forward.
 
     python scripts/batch_forward_share.py --methods ar,lookup-tree --clients 8 --prompts 16 \
         --out results/batch_forward_share_smol_cpu.json
     python scripts/batch_forward_share.py --methods ar,lookup-tree --turns 4 --out results/batch_forward_fit_smol_avx512_cpu.json
+    python scripts/batch_forward_share.py --target Qwen2.5-Coder-1.5B-Instruct --quantize int4 --methods ar,lookup-tree \
+        --clients 8 --prompts 8 --turns 2 --out results/batch_forward_share_pair_int4_avx512_cpu.json
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ from d3d.server.loadtest_throughput import throughput_prompts
 
 def run(model, tok, model_dir, method: str, prompts: list[list[int]], clients: int, max_new_tokens: int) -> dict:
     scheduler = Scheduler(model, clients)
-    forward, in_forward, each = scheduler.batch.forward, [0.0], []
+    forward, in_forward, each, drafts = scheduler.batch.forward, [0.0], [], [0]
 
     def timed(segments):
         t0 = time.perf_counter()
@@ -45,6 +48,7 @@ def run(model, tok, model_dir, method: str, prompts: list[list[int]], clients: i
         finally:
             in_forward[0] += time.perf_counter() - t0
             each.append((sum(s.width for s in segments), time.perf_counter() - t0))
+            drafts[0] += sum(s.width - 1 for s in segments if not s.keep)  # rows verified beyond the pending tokens
 
     scheduler.batch.forward = timed
     slots = [scheduler.acquire() for _ in range(clients)]
@@ -78,6 +82,7 @@ def run(model, tok, model_dir, method: str, prompts: list[list[int]], clients: i
             "rows_per_forward": round((scheduler.rows - rows) / max(1, n), 2),
             "forward_s": round(in_forward[0], 2), "forward_share": round(in_forward[0] / wall, 3),
             "ms_per_forward": round(1e3 * in_forward[0] / max(1, n), 1), "lane_cpu_s": round(lane_cpu[0], 2),
+            "draft_rows": drafts[0],
             "fit": fit(each)}
 
 
@@ -99,13 +104,14 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quantize", choices=["int8", "int4"], default=None)
     ap.add_argument("--turns", type=int, default=1,
                     help="run the methods this many times in turns, the order reversed every other turn (a method's "
                          "entry is then the list of its runs)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model, tok, model_dir = load_target(args.target)
+    model, tok, model_dir = load_target(args.target, quantize=args.quantize)
     prompts = [encode_prompt(tok, p) for p in throughput_prompts(args.prompts)]
     cost = WidthCost(measured_curve(model))
     out = {"machine": machine_info("cpu"), "width_curve_ms": {w: round(1e3 * cost(w), 2) for w in (1, 8, 16, 32)},
