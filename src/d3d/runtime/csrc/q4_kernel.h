@@ -11,8 +11,8 @@
 // prefetcher: 576 inputs took twice the time of 768), each, 4 bits: the nibbles of steps 2p (low) and 2p + 1
 // (high) of 4 k each, [4 pairs][16 outputs][4 k] bytes; 6 bits: the same nibbles of q's low 4 bits, then q's top 2
 // bits in [2 planes][16 outputs][4 k] bytes, plane h holding step 4h + i in bits 2i, 2i + 1; 8 bits: [8 steps][16
-// outputs][4 k] bytes; per
-// super-block sc [8][16] and m [8][16] (u8) in a tensor of their own, d [16] and dmin [16] (fp32) in a third.
+// outputs][4 k] bytes; per super-block sc [8][16] and m [8][16] (u8) in a tensor of their own, d [16] and dmin [16]
+// (fp32) in a third.
 //
 // Activations. Each row is quantized per super-block (int8::quantize_row on its 256 values: symmetric int8
 // with one scale), and each group's sum of q is kept for the m term.
