@@ -103,6 +103,30 @@ def test_prune_report_schema(tmp_path):
     assert (tmp_path / "prune.png").stat().st_size > 1000
 
 
+def test_prune_on_a_quantized_twin_removes_from_the_fp32_drafter(tmp_path):
+    """`d3d prune --quantize int4`: the trials run on an int4 copy, the removals and the result stay fp32."""
+    from d3d.runtime.quantize import Int4Linear
+    from d3d.training.prune import quantized_twin
+
+    twins = []
+
+    def twin(d):
+        twins.append(quantized_twin(d, "int4", tiny_tokenizer()))
+        return twins[-1]
+
+    calib = tiny_calibration()
+    pruned, state = prune(drafter_with([0, 1, 2]), calib, 24, tmp_path / "run", keep_ratio=0.01, min_layers=2,
+                          twin=twin, log=lambda *_: None)
+    assert len(pruned.layers) == 2 and len(state["steps"]) == 1
+    assert isinstance(twins[0].layers[0].feed_forward.w13, Int4Linear)
+    assert isinstance(pruned.layers[0].feed_forward.w13, torch.nn.Linear)  # the original's weights, not the twin's
+    step = state["steps"][0]
+    assert step["tau"]["mean"] == max(step["candidates"].values())
+    # the kept drafter, quantized again, scores what its trial did: the same int4 sums without the removed layer
+    assert calibration_tau(quantized_twin(pruned, "int4", tiny_tokenizer()), calib, 24)["mean"] == \
+        pytest.approx(step["tau"]["mean"], abs=1e-3)
+
+
 def test_prune_resumes_after_interruption(tmp_path):
     calib = tiny_calibration()
     ref, ref_state = prune(drafter_with([0, 1, 2]), calib, 24, tmp_path / "ref", keep_ratio=0.01,

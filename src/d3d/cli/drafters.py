@@ -126,7 +126,7 @@ def cmd_prune(args: argparse.Namespace) -> None:
     from ..methods.catalog import default_drafter
     from ..bench.plots import plot_pruning
     from ..corpus.prompts import CALIBRATION_SETS
-    from ..training.prune import calibration_data, healer, heldout_taus, prune, pruning_report
+    from ..training.prune import calibration_data, healer, heldout_taus, prune, pruning_report, quantized_twin
 
     sets = [s.strip() for s in args.sets.split(",") if s.strip()]
     bad = [s for s in sets if s not in CALIBRATION_SETS]
@@ -138,10 +138,10 @@ def cmd_prune(args: argparse.Namespace) -> None:
         raise D3DError(f"--heal-steps needs training data; none at {args.data}")
     check_max_shards(args.max_shards)
     check_drafter(args.drafter)
-    model, tok, model_dir = open_target(args.target, "cpu")
+    model, tok, model_dir = open_target(args.target, "cpu", quantize=args.quantize)
     src = args.drafter or default_drafter(model_dir)
     with loading(f"drafter {src}"):
-        drafter = load_drafter(src, model, tok)
+        drafter = load_drafter(src, model, tok, quantize="fp32" if args.quantize else None)
     if not 1 <= args.min_layers <= len(drafter.layers):
         raise D3DError(f"--min-layers must be in 1..{len(drafter.layers)} (got {args.min_layers})")
     run_dir = Path(args.run_dir or Path(args.out).with_name(Path(args.out).name + ".run"))
@@ -149,12 +149,14 @@ def cmd_prune(args: argparse.Namespace) -> None:
     calib = calibration_data(model, tok, sets, args.prompts_per_set, args.max_new_tokens, run_dir / "calibration.json")
     heal = healer(load_dataset(args.data, args.max_shards), args.heal_steps, args.heal_lr, run_dir) \
         if args.heal_steps else None
+    twin = (lambda d: quantized_twin(d, args.quantize, tok)) if args.quantize else None
     pruned, state = prune(drafter, calib, args.max_new_tokens, run_dir, keep_ratio=args.keep_ratio,
-                          min_layers=args.min_layers, heal=heal, heal_steps=args.heal_steps)
+                          min_layers=args.min_layers, heal=heal, heal_steps=args.heal_steps, twin=twin)
     report = pruning_report(state, {
         "command": "d3d " + shlex.join(args.argv), "drafter": str(src), "out": args.out, "calibration_sets": sets,
         "prompts_per_set": args.prompts_per_set, "max_new_tokens": args.max_new_tokens,
-        "keep_ratio": args.keep_ratio, "min_layers": args.min_layers, "heal_steps": args.heal_steps})
+        "keep_ratio": args.keep_ratio, "min_layers": args.min_layers, "heal_steps": args.heal_steps,
+        "quantize": args.quantize})
     if args.heldout:
         names = [b.strip() for b in args.heldout.split(",") if b.strip()]
         report["heldout"] = heldout_taus(model, tok, drafter, pruned, names, args.heldout_limit, args.max_new_tokens,
@@ -265,6 +267,8 @@ def _prune(sub) -> None:
     p.add_argument("--heldout-limit", type=int, default=5)
     p.add_argument("--target", default=None)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--quantize", choices=["int8", "int4"], default=None,
+                   help="target, trials and timings in int8 / int4 (removals and the saved drafter stay fp32)")
     p.set_defaults(func=cmd_prune)
 
 

@@ -157,7 +157,8 @@ def load_drafter(folder: str | Path, target: Transformer, tokenizer, device: str
     """Load a drafter for `target`; a drafter trained for another tokenizer/target is a clear error.
     What the checkpoint does not store (embedding, head rows, cfg.from_target layers) comes from `target`.
     quantize: "int8" quantizes the drafter whatever the target's precision (its numerics only change which
-    tokens are proposed, never the output, which verification takes from the target); None: as the target."""
+    tokens are proposed, never the output, which verification takes from the target); "fp32" keeps it in fp32
+    (`d3d prune --quantize`: removals and the saved drafter need the fp32 weights); None: as the target."""
     folder = Path(folder)
     cfg = read_drafter_config(folder)
     t = cfg.target
@@ -186,7 +187,8 @@ def load_drafter(folder: str | Path, target: Transformer, tokenizer, device: str
         raise D3DError(f"drafter {folder}: its weights do not match its {CONFIG_NAME} ({first_line(e)})") from None
     d.inv_freq = rope_frequencies(cfg.model_args)
     d = pack_linears(d.to(device).eval().requires_grad_(False))
-    d = apply_quantize(d, quantize or getattr(target, "quantized", None), tokenizer, batch_invariant=False)
+    mode = quantize or getattr(target, "quantized", None)
+    d = apply_quantize(d, None if mode == "fp32" else mode, tokenizer, batch_invariant=False)
     if type(d) is Drafter:
         d.pack_cpu_layers()  # the C++ layers, fp32 or int8, as the target (DFlash's own forward stays in PyTorch)
     return d
