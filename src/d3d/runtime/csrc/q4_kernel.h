@@ -136,7 +136,7 @@ inline __m512i scales32(const uint8_t* sc) {
 }
 #endif
 
-#if D3D_Q4_PATH == 4
+#if D3D_Q4_PATH == 2 || D3D_Q4_PATH == 4
 // Half h (outputs 8h .. 8h + 7) of pair p of a group's steps as bytes, step 2p in `even`, 2p + 1 in `odd` (6 bits:
 // the top two bits put above the nibbles, as path 1's sixes).
 template <int64_t bits>
@@ -153,7 +153,9 @@ inline void half_pair(const uint8_t* w, int64_t p, int64_t h, __m256i& even, __m
     odd = _mm256_or_si256(odd, _mm256_and_si256(_mm256_slli_epi16(t, 2), top));
   }
 }
+#endif
 
+#if D3D_Q4_PATH == 4
 // Pair p of a group's steps for rows i < mb: acc[i][h] += even[h] . x's 4 k of step 2p, odd[i][h] (or acc with
 // `split` false) += odd[h] . x's 4 k of step 2p + 1.
 template <int64_t mb, bool split>
@@ -233,20 +235,13 @@ inline void group_add(const int8_t* x, int64_t stride, const uint8_t* w, const u
   if constexpr (bits == 6) {
     // a pair's two vpmaddubsw sum at most 4 * 63 * 127 = 32004 in int16, and no more: vpmaddwd scales each pair's
     // sums into int32 (as group_add8 does each step)
-    const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
     const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
     const __m256i s[2] = {_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(s8, s8)), _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(s8, s8))};
     __m256i acc[mb][2];
     for (int64_t i = 0; i < mb; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
     for (int64_t p = 0; p < 4; ++p) {
       __m256i e[2], o[2];
-      for (int64_t h = 0; h < 2; ++h) {  // outputs 0-7, 8-15
-        const __m256i r = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 64 + h * 32));
-        const __m256i t = _mm256_srli_epi16(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + NIBBLES + p / 2 * 64 + h * 32)), 4 * (p % 2));
-        e[h] = _mm256_or_si256(_mm256_and_si256(r, low), _mm256_and_si256(_mm256_slli_epi16(t, 4), top));
-        o[h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(r, 4), low), _mm256_and_si256(_mm256_slli_epi16(t, 2), top));
-      }
+      for (int64_t h = 0; h < 2; ++h) half_pair<6>(w, p, h, e[h], o[h]);  // outputs 0-7, 8-15
       for (int64_t i = 0; i < mb; ++i) {
         const __m256i a = _mm256_set1_epi32(int8::quad(x + i * stride + p * 8));
         const __m256i b = _mm256_set1_epi32(int8::quad(x + i * stride + p * 8 + 4));
