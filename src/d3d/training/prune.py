@@ -128,6 +128,7 @@ def prune(drafter: Drafter, calib: Calibration, max_new_tokens: int, run_dir: Pa
 
     state_path, current = run_dir / "state.json", run_dir / "current"
     trial = twin or (lambda d: d)
+    runs = None  # trial(drafter), made when first needed and kept while the drafter stays the same
     context = next(p + c for p, c in zip(*next(iter(calib.values()))))[:256]
     if state_path.exists():
         state = json.loads(state_path.read_text())
@@ -153,7 +154,7 @@ def prune(drafter: Drafter, calib: Calibration, max_new_tokens: int, run_dir: Pa
             state["stopped"] = f"layer budget reached ({n} layers)"
             break
         done = state.setdefault("trials", {})  # this step's layers tried so far, by stack layer: a killed run
-        trials, runs = {}, None                 # resumes within a step (24 trials of the pair's drafter: an hour)
+        trials = {}                             # resumes within a step (24 trials of the pair's drafter: an hour)
         for i in tqdm(range(n), desc=f"prune step {len(state['steps']) + 1} ({n} layers)", mininterval=2):
             key = str(state["stack"][i])
             if key not in done:
@@ -165,22 +166,23 @@ def prune(drafter: Drafter, calib: Calibration, max_new_tokens: int, run_dir: Pa
             trials[i] = done[key]
         best = max(trials, key=lambda i: trials[i]["mean"])
         candidates = {str(state["stack"][k]): v["mean"] for k, v in trials.items()}
-        pruned, tau = remove_layers(drafter, {best}), trials[best]
+        pruned, tau, pruned_runs = remove_layers(drafter, {best}), trials[best], None
         if heal is not None:
             heal(pruned)
-            tau = calibration_tau(trial(pruned), calib, max_new_tokens)
+            pruned_runs = trial(pruned)
+            tau = calibration_tau(pruned_runs, calib, max_new_tokens)
         if tau["mean"] < floor:
             healed = f" after healing (unhealed {trials[best]['mean']})" if heal is not None else ""
             state["stopped"] = (f"removing any further layer keeps < {keep_ratio} of tau "
                                 f"(best {tau['mean']}{healed} < {floor:.4f})")
             state["last_candidates"] = candidates
             break
-        drafter = pruned
+        drafter, runs = pruned, pruned_runs if pruned_runs is not None else trial(pruned)
         removed = state["stack"].pop(best)
         del state["trials"]
         step = {"removed": removed, "init_layer": state["init_layers"][removed] if state["init_layers"] else None,
                 "layers": len(drafter.layers), "tau": tau, "candidates": candidates,
-                **draft_times(trial(drafter), context)}
+                **draft_times(runs, context)}
         if heal is not None:
             step["tau_unhealed"] = trials[best]
         state["steps"].append(step)
