@@ -116,6 +116,8 @@ def reference_lines(tmp_path_factory) -> list[str]:
     hashes = dict(line.rsplit(" ", 1) for line in lines[3:])
     for K in (576, 100):  # a one-row product shared out in half groups is the whole product
         assert hashes[f"fp32 1x{K} in half groups"] == hashes[f"fp32 1x{K}"]
+    for D in (64, 128):  # rows and heads attended together (chunk by chunk of keys) are each attended alone
+        assert hashes[f"attention of rows together D={D}"] == hashes[f"attention of rows one by one D={D}"]
     return lines[3:]
 
 

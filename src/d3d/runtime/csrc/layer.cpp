@@ -89,6 +89,32 @@ Rows rows_of(const at::Tensor& inv_freq, const at::Tensor& positions, const std:
   return r;
 }
 
+// Attention's share of work: rows i0 .. i1 - 1 (of one sequence) with query heads h0 .. h1 - 1 (of one KV group),
+// which attend_rows takes together, reading the group's keys and values once for all of them.
+struct AttentionTask {
+  int64_t i0, i1, h0, h1;
+};
+
+// Tasks of whole KV groups over up to 8 consecutive rows of a sequence, or of fewer rows, down to one row and one
+// head, where that would leave the threads fewer than two tasks each.
+std::vector<AttentionTask> attention_tasks(const Rows& r, int64_t KV, int64_t group, int64_t threads) {
+  std::vector<AttentionTask> tasks;
+  for (int64_t rows = 8; rows >= 1; rows /= 2) {
+    tasks.clear();
+    for (int64_t i0 = 0; i0 < r.T;) {
+      int64_t i1 = i0 + 1;
+      while (i1 < r.T && i1 - i0 < rows && r.slot[i1] == r.slot[i0]) ++i1;
+      for (int64_t g = 0; g < KV; ++g) tasks.push_back({i0, i1, g * group, (g + 1) * group});
+      i0 = i1;
+    }
+    if (int64_t(tasks.size()) >= 2 * threads) return tasks;
+  }
+  std::vector<AttentionTask> heads;
+  for (const AttentionTask& a : tasks)
+    for (int64_t h = a.h0; h < a.h1; ++h) heads.push_back({a.i0, a.i1, h, h + 1});
+  return heads;
+}
+
 at::Tensor layer_rows(const at::Tensor& x_, at::TensorList p, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const Rows& r, int64_t H, float eps) {
   TORCH_CHECK(p.size() == 24, "layer takes 24 parameter tensors (d3d.kernels.layer_params)");
@@ -129,16 +155,15 @@ at::Tensor layer_rows(const at::Tensor& x_, at::TensorList p, const at::Tensor& 
 
   at::Tensor att = at::empty({T, H * D}, x.options());
   float* ap = att.data_ptr<float>();
-  int64_t most_keys = 1;
-  for (int64_t i = 0; i < T; ++i) most_keys = std::max(most_keys, r.n_keys[i]);
-  at::parallel_for(0, T * H, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> scores(most_keys);
-    std::vector<int64_t> keys(most_keys);
-    for (int64_t task = b; task < e; ++task) {
-      const int64_t i = task / H, head = task % H, g = head / group;
-      const int64_t base = (r.slot[i] * KV + g) * S * D;
-      attend_row(qp + i * width + head * D, kcp + base, vcp + base, r.mask_row[i], r.n_keys[i], D, scores.data(),
-                 keys.data(), ap + i * H * D + head * D);
+  const std::vector<AttentionTask> tasks = attention_tasks(r, KV, group, at::get_num_threads());
+  at::parallel_for(0, int64_t(tasks.size()), 1, [&](int64_t b, int64_t e) {
+    std::vector<float> scores;
+    std::vector<int64_t> keys;
+    for (int64_t t = b; t < e; ++t) {
+      const AttentionTask& a = tasks[t];
+      const int64_t base = (r.slot[a.i0] * KV + a.h0 / group) * S * D;
+      attend_rows(qp + a.i0 * width + a.h0 * D, width, a.i1 - a.i0, a.h1 - a.h0, r.mask_row.data() + a.i0,
+                  r.n_keys.data() + a.i0, kcp + base, vcp + base, D, ap + a.i0 * H * D + a.h0 * D, H * D, scores, keys);
     }
   });
 

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "vec.h"
 
@@ -136,8 +137,9 @@ inline void rope(float* v, const float* cos, const float* sin, int64_t D) {
   }
 }
 
-// out[D] = sum over the visible keys in turn (keys[t], or t itself without a key list) of scores[t] * v[D]:
-// per element the same additions in the same order on every path. The vector path holds R registers of
+// out[D] += sum over the visible keys in turn (keys[t], or t itself without a key list) of scores[t] * v[D]:
+// per element the same additions in the same order on every path, so that a sum over all the keys at once or
+// over consecutive runs of them (attend_rows' chunks) is the same bits. The vector path holds R registers of
 // sums at a time (a chunk of R * W elements of out) over all the keys, chunk after chunk.
 template <int64_t R>
 inline void weighted_sum(const float* scores, const int64_t* keys, int64_t n, const float* vc, int64_t D,
@@ -146,7 +148,7 @@ inline void weighted_sum(const float* scores, const int64_t* keys, int64_t n, co
   if constexpr (R > 0) {
     for (int64_t c0 = 0; c0 < D; c0 += R * Vec::W) {
       Vec::T acc[R];
-      for (int64_t c = 0; c < R; ++c) acc[c] = Vec::zero();
+      for (int64_t c = 0; c < R; ++c) acc[c] = Vec::load(out + c0 + c * Vec::W);
       for (int64_t t = 0; t < n; ++t) {
         const float* v = vc + (keys ? keys[t] : t) * D + c0;
         const Vec::T s = Vec::set1(scores[t]);
@@ -157,7 +159,6 @@ inline void weighted_sum(const float* scores, const int64_t* keys, int64_t n, co
     return;
   }
 #endif
-  std::fill(out, out + D, 0.f);
   for (int64_t t = 0; t < n; ++t) {
     const float* v = vc + (keys ? keys[t] : t) * D;
     for (int64_t d = 0; d < D; ++d) out[d] += scores[t] * v[d];
@@ -214,24 +215,82 @@ inline float scaled_dots(const float* q, const float* kc, const int64_t* keys, i
   return peak;
 }
 
-// Attention of one query row and head over the keys it may see, in cache order: with a mask row, those
-// it marks; else the causal prefix 0..n_keys - 1. out[D] = softmax(q.k / sqrt(D)) . v.
-inline void attend_row(const float* q, const float* kc, const float* vc, const bool* mask_row, int64_t n_keys,
-                int64_t D, float* scores, int64_t* keys, float* out) {
-  int64_t n = n_keys;
-  if (mask_row) {
-    n = 0;
-    for (int64_t j = 0; j < n_keys; ++j)
-      if (mask_row[j]) keys[n++] = j;
-  } else {
-    keys = nullptr;
+// Attention of query rows 0..nr-1, heads 0..nh-1 of one KV group (query (j, h) at q + j * q_stride + h * D, its
+// result at out + j * out_stride + h * D) over the keys kc and values vc [keys][D] of their sequence: row j sees,
+// in cache order, those of its first n_keys[j] that mask_rows[j] marks (nullptr: all of them, causal). Each
+// query's result is out[D] = softmax(q.k / sqrt(D)) . v with the sums of attend_row alone, bit for bit; but the
+// keys and values are read in chunks of about 16 KB that every query takes in turn while the chunk is in the
+// cache. Query by query, a token tree's 16 rows times a group's heads each read the whole cache: at 1,200 tokens
+// of context that was two thirds of an 8-row forward of int4 SmolLM2. scratch: room for the scores and key lists.
+inline void attend_rows(const float* q, int64_t q_stride, int64_t nr, int64_t nh, const bool* const* mask_rows,
+                        const int64_t* n_keys, const float* kc, const float* vc, int64_t D, float* out,
+                        int64_t out_stride, std::vector<float>& scores, std::vector<int64_t>& keys) {
+  int64_t most = 0;
+  for (int64_t j = 0; j < nr; ++j) most = std::max(most, n_keys[j]);
+  scores.resize(nr * nh * most);
+  keys.resize(nr * most);
+  std::vector<int64_t> n(nr), at(nr);
+  std::vector<float> peak(nr * nh, -std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < nr; ++j) {
+    n[j] = n_keys[j];
+    if (mask_rows[j]) {
+      n[j] = 0;
+      for (int64_t t = 0; t < n_keys[j]; ++t)
+        if (mask_rows[j][t]) keys[j * most + n[j]++] = t;
+    }
   }
-  const float peak = scaled_dots(q, kc, keys, n, D, 1.f / std::sqrt(float(D)), scores);
-  exp_shifted(scores, n, peak);
-  const float total = sum(scores, n);
-  weighted_sum_any(scores, keys, n, vc, D, out);
-  const float inv = n ? 1.f / total : 0.f;
-  for (int64_t d = 0; d < D; ++d) out[d] *= inv;
+  const int64_t chunk = std::max<int64_t>(16, 4096 / D);
+  // Row j's visible keys in cache positions c0 .. c1 - 1 are entries at[j] .. end of its list (or of 0 .. n[j] - 1).
+  const auto each_chunk = [&](auto visit) {
+    std::fill(at.begin(), at.end(), 0);
+    for (int64_t c0 = 0; c0 < most; c0 += chunk) {
+      const int64_t c1 = std::min(most, c0 + chunk);
+      for (int64_t j = 0; j < nr; ++j) {
+        const int64_t* list = mask_rows[j] ? keys.data() + j * most : nullptr;
+        int64_t end = std::min(n[j], c1);
+        if (list)
+          for (end = at[j]; end < n[j] && list[end] < c1; ++end) {}
+        if (end > at[j]) visit(j, list, at[j], end);
+        at[j] = end;
+      }
+    }
+  };
+  const float scale = 1.f / std::sqrt(float(D));
+  each_chunk([&](int64_t j, const int64_t* list, int64_t b, int64_t e) {
+    for (int64_t h = 0; h < nh; ++h) {
+      float* s = scores.data() + (j * nh + h) * most;
+      const float p = list ? scaled_dots(q + j * q_stride + h * D, kc, list + b, e - b, D, scale, s + b)
+                           : scaled_dots(q + j * q_stride + h * D, kc + b * D, nullptr, e - b, D, scale, s + b);
+      peak[j * nh + h] = std::max(peak[j * nh + h], p);
+    }
+  });
+  std::vector<float> total(nr * nh);
+  for (int64_t j = 0; j < nr; ++j)
+    for (int64_t h = 0; h < nh; ++h) {
+      float* s = scores.data() + (j * nh + h) * most;
+      exp_shifted(s, n[j], peak[j * nh + h]);
+      total[j * nh + h] = sum(s, n[j]);
+      std::fill(out + j * out_stride + h * D, out + j * out_stride + (h + 1) * D, 0.f);
+    }
+  each_chunk([&](int64_t j, const int64_t* list, int64_t b, int64_t e) {
+    for (int64_t h = 0; h < nh; ++h) {
+      const float* s = scores.data() + (j * nh + h) * most + b;
+      float* o = out + j * out_stride + h * D;
+      if (list) weighted_sum_any(s, list + b, e - b, vc, D, o);
+      else weighted_sum_any(s, nullptr, e - b, vc + b * D, D, o);
+    }
+  });
+  for (int64_t j = 0; j < nr; ++j)
+    for (int64_t h = 0; h < nh; ++h) {
+      const float inv = n[j] ? 1.f / total[j * nh + h] : 0.f;
+      for (int64_t d = 0; d < D; ++d) out[j * out_stride + h * D + d] *= inv;
+    }
+}
+
+// Attention of one query row and head over the keys it may see (attend_rows of one query).
+inline void attend_row(const float* q, const float* kc, const float* vc, const bool* mask_row, int64_t n_keys,
+                       int64_t D, float* out, std::vector<float>& scores, std::vector<int64_t>& keys) {
+  attend_rows(q, 0, 1, 1, &mask_row, &n_keys, kc, vc, D, out, 0, scores, keys);
 }
 
 // a[j] = SiLU(gate[j]) * up[j] for j < n.
