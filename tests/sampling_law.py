@@ -171,6 +171,12 @@ def method_runner(method: str, target, drafter):
     tok = StubTokenizer()
     if method == "ar":
         return lambda p: generate(target, tok, PROMPT_ALL, p, MAX_NEW_ALL)
+    if method == "d3d-async sized":  # its synchronous schedule, drafts sized alone as d3d's (d3d.decoding.budget)
+        from d3d.decoding.budget import DraftLength
+
+        length = DraftLength(WidthCost({1: 1.0, 2: 1.1, 8: 1.6}), BLOCK_TINY - 1, draft_s=lambda n: 0.2 + 0.05 * n)
+        return lambda p: generate_async(target, tok, PROMPT_ALL, p, MAX_NEW_ALL, drafter=drafter, overlap=False,
+                                        pack=False, length=length)
     if method in ASYNC_OPTIONS:
         return lambda p: generate_async(target, tok, PROMPT_ALL, p, MAX_NEW_ALL, drafter=drafter, overlap=False,
                                         **ASYNC_OPTIONS[method])
@@ -194,6 +200,11 @@ def method_runner(method: str, target, drafter):
         proposer = make(drafter, V, max_len=64)
     elif method == "d3d":
         proposer = D3DProposer(drafter, V, max_len=64)
+    elif method == "d3d sized":  # drafts sized by d3d.decoding.budget alone: lengths vary with the acceptance seen
+        from d3d.decoding.budget import DraftLength
+
+        proposer = D3DProposer(drafter, V, max_len=64)
+        proposer.length = DraftLength(WidthCost({1: 1.0, 2: 1.1, 8: 1.6}), BLOCK_TINY - 1, draft_s=lambda n: 0.2 + 0.05 * n)
     else:
         raise ValueError(f"method_runner has no harness for method {method!r}")
     return lambda p: generate(target, tok, PROMPT_ALL, p, MAX_NEW_ALL, proposer=proposer, block_size=BLOCK_TINY)

@@ -319,7 +319,7 @@ def test_d3d_async_greedy_is_identical_to_ar_on_real_prompts(smol, prompt_ids, a
 def test_d3d_async_overlaps_only_where_its_measured_round_is_faster(smol, prompt_ids, ar_tokens, monkeypatch):
     """The d3d-async runner times both schedules' rounds when it is built (round_costs) and packs the successors
     beside the verification only if that round is the faster; otherwise every round drafts synchronously, as
-    `d3d`. Either way the output is plain decoding's."""
+    `d3d` (here whole blocks: --draft-k 15). Either way the output is plain decoding's."""
     import d3d.methods.d3d_async as d3d_async
     from d3d.decoding.async_engine import round_costs
     from d3d.methods.catalog import make_runner
@@ -331,7 +331,7 @@ def test_d3d_async_overlaps_only_where_its_measured_round_is_faster(smol, prompt
     ids = prompt_ids[0]
     for costs, schedule in (({"sync": 2.0, "overlap": 1.0}, "overlap"), ({"sync": 1.0, "overlap": 2.0}, "sync")):
         monkeypatch.setattr(d3d_async, "round_costs", lambda *a, costs=costs, **k: costs)
-        runner = make_runner("d3d-async", model, tok, model_dir)
+        runner = make_runner("d3d-async", model, tok, model_dir, draft_k=15)  # whole blocks: sized ones follow timings
         assert runner.settings["schedule"] == schedule and runner.settings["round_s"] == costs
         res = runner(ids, max_new_tokens=32)
         assert res.token_ids == ar_tokens(ids, 32) and max(res.acceptance_lengths) >= 2

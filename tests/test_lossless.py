@@ -124,6 +124,50 @@ def test_ngram_cuts_drafts_to_what_pays():
     assert (right, tried) == pytest.approx((0.9 * 1 + 2, 0.9 * 2 + 3)) and right / tried > before
 
 
+def test_d3d_sizes_its_drafts_alone_to_what_pays():
+    """Alone, a DraftLength with the drafter's cost by length verifies the length that maximises expected tokens
+    per second: where 16 rows cost 3.5 times one (the int4 pair) and each position is right 3 times in 4, a few
+    drafts; where a forward of 16 rows costs what one does and drafts are nearly always right, the whole block;
+    where they are nearly always wrong, none (then a short probe every PROBE_ROUNDS rounds). Without a drafting cost it leaves k alone."""
+    from d3d.decoding.budget import PROBE_LENGTH, PROBE_ROUNDS, DraftLength
+    from d3d.decoding.treecost import WidthCost
+
+    steep, flat = WidthCost({1: 0.035, 2: 0.038, 4: 0.045, 8: 0.065, 16: 0.122}), WidthCost({1: 0.03, 16: 0.031})
+
+    def length(cost, right: float) -> DraftLength:
+        d = DraftLength(cost, 15, draft_s=lambda n: 0.015 + 0.002 * n)
+        d.counts = [[right * 100, 100.0] for _ in range(15)]
+        return d
+
+    assert 3 <= length(steep, 0.75).choose(15) <= 8
+    assert length(flat, 0.97).choose(15) == 15 and length(flat, 0.75).choose(15) > length(steep, 0.75).choose(15)
+    assert length(steep, 0.75).choose(2) <= 2
+    never = length(steep, 0.01)
+    assert [never.choose(15) for _ in range(PROBE_ROUNDS + 1)] == [0] * PROBE_ROUNDS + [PROBE_LENGTH]
+    assert DraftLength(steep, 15).choose(15) == 15  # no drafting cost, no batch: the whole block
+
+
+def test_sized_d3d_greedy_equals_plain_decoding(smol, cases, monkeypatch):
+    """`d3d` as built by default (its drafts sized by d3d.decoding.budget, each a pass of fewer slots) gives plain
+    decoding's tokens with drafts accepted; the costs are fixed here (a forward of 16 rows twice one row, a
+    cheap drafter), since measured ones decide by this machine's timings."""
+    import d3d.decoding.treecost as treecost
+
+    model, tok, model_dir = smol
+    monkeypatch.setattr(model, "_d3d_width_curve", (torch.get_num_threads(), {1: 1.0, 2: 1.02, 4: 1.1, 8: 1.4, 16: 2.0}),
+                        raising=False)
+    monkeypatch.setattr(treecost, "drafter_costs", lambda proposer, slots, **kw: {s: 0.01 * s for s in slots})
+    run = make_runner("d3d", model, tok, model_dir)
+    assert run.settings["sized"] and run.settings["draft_k"] is None
+    lengths, sized = [], run.fn.keywords["proposer"].length
+    for ids, ar in cases[:3]:
+        res = run(ids, params=GREEDY, max_new_tokens=MAX_NEW)
+        assert res.token_ids == ar.token_ids
+        lengths += res.acceptance_lengths
+    assert max(lengths) >= 2  # drafts were accepted
+    assert run.fn.keywords["proposer"].length is sized and sized.counts[0][1] > 2.0  # one DraftLength, kept, observing
+
+
 def test_oracle_and_noisy_oracle_equal_plain_decoding(smol, cases):
     model, tok, _ = smol
     vocab = model.args.vocab_size
@@ -276,7 +320,8 @@ def test_the_statistic_catches_a_broken_rule(tiny, proposers, monkeypatch, broke
 # Every speculative method, on the tiny target with an untrained D3D drafter copied from it
 # (d3d-tree with top-k + top-p, and a broken tree rule, are in test_tree.py)
 
-CASES = [("ngram", TRUNCATED), ("d3d", TEMP), ("d3d", TRUNCATED), ("d3d-tree", TEMP), ("lookup-tree", TRUNCATED)] + \
+CASES = [("ngram", TRUNCATED), ("d3d", TEMP), ("d3d", TRUNCATED), ("d3d sized", TRUNCATED), ("d3d-async sized", TEMP),
+         ("d3d-tree", TEMP), ("lookup-tree", TRUNCATED)] + \
     [(name, TRUNCATED) for name in ASYNC_OPTIONS] + \
     [("ar-draft", TOP_K), ("ar-draft", TOP_P), ("dflash", TOP_K), ("dflash", TOP_P)]
 

@@ -48,7 +48,8 @@ def _add_method_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ar-draft-k", type=int, default=None,
                    help="ar-draft: a fixed draft length (default: adaptive, starting at 4)")
     p.add_argument("--draft-k", type=int, default=None,
-                   help="draft-model: a fixed draft length (default: adaptive, starting at 4)")
+                   help="draft-model, d3d: a fixed draft length (default: draft-model adaptive, starting at 4; d3d "
+                        "sized every round from this device's measured costs, see d3d.decoding.budget)")
     p.add_argument("--datastore", default=None, metavar="PATH|none",
                    help="d3d-tree, lookup-tree: retrieve continuations from this datastore (`d3d datastore` "
                         "builds one; default: the one shipped for the target; none: no retrieval)")

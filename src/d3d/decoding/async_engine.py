@@ -103,6 +103,7 @@ class AsyncD3DProposer(Proposer):
         super().__init__()
         self.drafter, self.vocab_size, self.cache_len, self.slots = drafter, vocab_size, cache_len, slots
         self.pack = pack  # False: no packed pass, every round drafts synchronously (the schedule of `d3d`)
+        self.length = None  # pack=False: the DraftLength that sizes its drafts (generate_async's `length`)
         self.max_candidates, self.head_all, self.trace = max_candidates, head_all, trace
         self.device = drafter.draft_ids.device
         self.target_device = torch.device(target_device) if target_device is not None else self.device
@@ -158,7 +159,7 @@ class AsyncD3DProposer(Proposer):
         block, self.block = self.block, None
         if block is None:
             self.stats["fallbacks"] += 1 if self.rounds else 0
-            block = self.sync_draft(tokens)
+            block = self.sync_draft(tokens, k)
         else:
             self.stats["packed_hits"] += 1
         s1 = now_us()
@@ -212,11 +213,13 @@ class AsyncD3DProposer(Proposer):
         return Block(tokens, None if q is None else q.to(self.target_device), conf)
 
     @torch.no_grad()
-    def sync_draft(self, tokens: list[int]) -> Block:
-        """A plain synchronous D3D draft after the verified text (ending with the pending token); the
+    def sync_draft(self, tokens: list[int], k: int) -> Block:
+        """A plain synchronous D3D draft after the verified text (ending with the pending token): the whole
+        block where the next packed pass needs it, else k drafts from k + 1 slots, as D3DProposer drafts; the
         cache then keeps the text minus the pending token, which the next packed pass feeds as v0."""
         t0 = now_us()
-        logits = self.drafter.draft_block(tokens)[:self.drafter.block_size - 1]
+        n = self.drafter.block_size - 1 if self.pack else k
+        logits = self.drafter.draft_block(tokens, min(n + 1, self.drafter.block_size))[:n]
         keep_prefix(self.drafter, len(tokens) - 1)
         block = self.block_of(logits)
         add_span(self.trace, "sync draft", DRAFT_TID, t0, now_us())
@@ -238,7 +241,7 @@ def generate_async(model, tokenizer, prompt_ids: list[int], params: SamplingPara
                    draft_device=None, overlap: bool = True, trace: list | None = None,
                    max_candidates: int | None = None, successor_slots: int | None = None,
                    head_all: bool = False, on_round=None, logprobs: LogprobRecorder | None = None,
-                   pack: bool = True) -> AsyncGenerationResult:
+                   pack: bool = True, length=None, draft_k: int | None = None) -> AsyncGenerationResult:
     """Asynchronous D3D decoding with the drafter's block size B (B - 1 drafts per verified block): the
     synchronous loop with an AsyncD3DProposer.
 
@@ -247,7 +250,8 @@ def generate_async(model, tokenizer, prompt_ids: list[int], params: SamplingPara
     drafter's confidences); successor_slots < B drafts shorter successor blocks; head_all applies the LM
     head to every candidate inside the packed pass instead of only to the chosen one afterwards.
     pack=False drafts every round synchronously, as `d3d` does (the schedule d3d-async falls back to where
-    round_costs says the overlap does not pay). trace collects Chrome-trace spans. On CPU the worker thread
+    round_costs says the overlap does not pay), a draft of k tokens in a pass of k + 1 slots: k sized by `length`
+    (a DraftLength, d3d.methods.d3d.fitted_length), or `draft_k` at most, or the whole block. trace collects Chrome-trace spans. On CPU the worker thread
     shares torch's intra-op thread count, which is process-wide (torch.set_num_threads in one thread changes it for all): with 2 cores,
     torch.set_num_threads(1) gives each side one core.
     on_round(chunk, accepted), logprobs: as in d3d.decoding.engine.generate.
@@ -262,7 +266,9 @@ def generate_async(model, tokenizer, prompt_ids: list[int], params: SamplingPara
     cache_len = len(prompt_ids) + max_new_tokens + B + B * S + 1
     with AsyncD3DProposer(drafter, model.args.vocab_size, cache_len, S, overlap, max_candidates, head_all, trace,
                           next(model.parameters()).device, pack) as proposer:
-        res = generate(model, tokenizer, prompt_ids, params, max_new_tokens, proposer, B, stop, on_round, logprobs)
+        proposer.length = None if pack else length
+        block = B if pack or draft_k is None else min(draft_k + 1, B)
+        res = generate(model, tokenizer, prompt_ids, params, max_new_tokens, proposer, block, stop, on_round, logprobs)
     return AsyncGenerationResult.of(res, proposer.stats)
 
 

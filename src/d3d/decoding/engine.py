@@ -206,12 +206,15 @@ def sync_device(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def batch_draft_length(model, block_size: int):
-    """For a generation in a batch (a d3d.scheduler.SlotModel: `batch_load`), the DraftLength that sizes its
-    drafts for the batch (d3d.decoding.budget); None alone, where every round drafts its whole block."""
+def draft_length(model, proposer, block_size: int):
+    """The DraftLength that sizes each round's draft (d3d.decoding.budget), or None where every round drafts its
+    whole block: in a batch (a d3d.scheduler.SlotModel: `batch_load`) one per generation, weighed against the
+    batch; alone the proposer's own `length` if it has one (`d3d`'s, kept across its generations)."""
+    if proposer is None or getattr(proposer, "sizes_drafts", False):
+        return None
     load = getattr(model, "batch_load", None)
     if load is None:
-        return None
+        return getattr(proposer, "length", None)
     from .budget import DraftLength
     from .treecost import WidthCost, measured_curve
 
@@ -239,7 +242,7 @@ def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams | N
     res = GenerationResult(prompt_ids=list(prompt_ids))
     model.setup_cache(1, len(prompt_ids) + max_new_tokens + block_size + 1)
     taps_of = None if proposer is None else proposer.hidden_layers or None
-    budget = None if proposer is None or getattr(proposer, "sizes_drafts", False) else batch_draft_length(model, block_size)
+    budget = draft_length(model, proposer, block_size)
     tokens, reason, t1 = prefill(model, res, stopper, prompt_ids, params, gen, device, on_round, logprobs, proposer)
     while reason is None:
         if proposer is None:
