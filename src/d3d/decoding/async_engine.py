@@ -251,8 +251,9 @@ def generate_async(model, tokenizer, prompt_ids: list[int], params: SamplingPara
     head to every candidate inside the packed pass instead of only to the chosen one afterwards.
     pack=False drafts every round synchronously, as `d3d` does (the schedule d3d-async falls back to where
     round_costs says the overlap does not pay), a draft of k tokens in a pass of k + 1 slots: k sized by `length`
-    (a DraftLength, d3d.methods.d3d.fitted_length), or `draft_k` at most, or the whole block. trace collects Chrome-trace spans. On CPU the worker thread
-    shares torch's intra-op thread count, which is process-wide (torch.set_num_threads in one thread changes it for all): with 2 cores,
+    (a DraftLength, d3d.methods.d3d.fitted_length), or `draft_k` at most, or the whole block.
+    trace collects Chrome-trace spans. On CPU the worker thread shares torch's intra-op thread count, which
+    is process-wide (torch.set_num_threads in one thread changes it for all): with 2 cores,
     torch.set_num_threads(1) gives each side one core.
     on_round(chunk, accepted), logprobs: as in d3d.decoding.engine.generate.
     """
