@@ -24,19 +24,15 @@ PROBE_LENGTH = 4     # ... this many tokens
 PROBE_SHARE = 0.05   # in a batch, probes take at most about this share of the batch's time (probe_interval)
 
 
-def probe_interval(cost, probe_s: float, catch_up: bool = False) -> int:
+def probe_interval(cost, probe_s: float) -> int:
     """Rounds between probes (a round that drafts although drafting did not pay, to see whether it pays again)
     for a generation whose probe costs `probe_s` seconds of proposing: alone PROBE_ROUNDS. In a batch every
     generation's proposing delays the shared forward, so with L generations each probing every P rounds a
     forward waits L * probe_s / P seconds for probes on average: P is raised until that is at most PROBE_SHARE
     of the forward (L counted as one plus the others' width, an upper bound). Without it a batch of 8
-    generations of d3d-tree ran about one drafter pass per forward, each costing more than the forward.
-    catch_up: the probe's cost is mostly a drafter catching up on the text it skipped (d3d-tree), which grows
-    with every idle round: alone too, P is raised until probes take at most PROBE_SHARE of one-token steps' time
-    (on the int4 pair a catch-up costs 2.2 ms a token: after 8 rounds of retrieved code about 0.2 s, a fifth of
-    those rounds' time, which is where `d3d-tree` lost to `lookup-tree` on code)."""
+    generations of d3d-tree ran about one drafter pass per forward, each costing more than the forward."""
     width = cost.others()[0]
-    if width == 0 and not catch_up:
+    if width == 0:
         return PROBE_ROUNDS
     return max(PROBE_ROUNDS, math.ceil((1 + width) * probe_s / (PROBE_SHARE * cost(width + 1))))
 

@@ -100,10 +100,6 @@ class TreeProposer(Proposer):
         self.draft_slots, self.catch_up_s = draft_slots, catch_up_s  # catch_up_s: a drafter pass's seconds per
         # verified token its cache lacks beyond the pending one (treecost.choose_slots)
         self.ngram_matches, self.cost = ngram_matches, cost
-        # a round without the drafter's pass sizes its tree without that pass's seconds (with them every extra row
-        # looked cheaper against the round, and rounds where only retrieval drafted verified wider trees than
-        # lookup-tree's)
-        self.plain_cost = cost if cost is None or not cost.overhead else WidthCost(cost.curve, load=cost.load)
         self.datastore, self.retrieved, self.history = datastore, retrieved, history
         self.params, self.drafted = SamplingParams(), False
 
@@ -119,7 +115,6 @@ class TreeProposer(Proposer):
 
     def reset(self, prompt_ids: list[int]) -> None:
         self.drafter_gain, self.idle_rounds, self.drafted = 1.0, 0, False
-        self.drafter_rows_s = 0.0  # moving average: what the drafter's nodes add to a round's forward
         self.spec_tokens = self.spec_width = None  # moving averages over the rounds that built a tree
         self.propose_s, self.plain_rounds, self.speculated = 0.0, 0, True
         # modelled seconds per emitted token, from a plain step's (in a batch, beside the others)
@@ -133,30 +128,28 @@ class TreeProposer(Proposer):
 
     def drafting_pays(self, behind: int = 0) -> bool:
         """Whether to run the drafter this round. Without a cost model, always. Else when the tokens that
-        only it proposed on recent accepted paths (a moving average per round) are worth its cost (its pass and
-        the rows its nodes add to the forward, a moving average), a token being worth what one costs without the
-        drafter (a moving average of the modelled round cost per emitted token, a drafting round priced without
-        the drafter's nodes, pass and tokens: the better the other proposers do, the less a token the drafter
-        adds is worth; priced with them, the drafter's own dear rounds made its tokens look dear and kept it
-        running where `lookup-tree` alone was faster; in a batch, the shared forward's cost over all of its
-        tokens, so a drafter pass that delays every generation's forward must win more than alone); and every
-        probe_interval-th round anyway (d3d.decoding.budget: PROBE_ROUNDS or rarer, as much as a probe
-        costs), to see whether it pays again. In a batch a token is worth at most what a plain step costs the batch now (a moving average lags when the others start decoding: 8 requests arriving
+        only it proposed on recent accepted paths (a moving average per round) are worth its cost, a token
+        being worth what one costs now (a moving average of the modelled round cost per emitted token: the
+        better the other proposers do, the less a token the drafter adds is worth; in a batch, the shared
+        forward's cost over all of its tokens, so a drafter pass that delays every generation's forward must
+        win more than alone); and every probe_interval-th round anyway (d3d.decoding.budget: PROBE_ROUNDS
+        alone, rarer in a batch), to see whether it pays again. In a batch a token is worth at most what a plain
+        step costs the batch now (a moving average lags when the others start decoding: 8 requests arriving
         together all drafted in their first rounds). The choice depends on verified text, tree sizes and the
         other generations' last forwards only, so sampling stays exact.
 
         behind: verified tokens the drafter's cache lacks beyond the pending one (it has not drafted for a
         while, or, in a batch, not yet). A pass that pays is worth catching up for: after it the drafter feeds
         only each round's new tokens. A probe, which may find that it does not pay, counts its catch-up in its
-        cost, so a drafter far behind probes rarely (64 tokens behind on the fp32 pair, a pass costs 6x a
-        caught-up one)."""
+        cost, so in a batch a drafter far behind probes rarely (64 tokens behind on the fp32 pair, a pass costs
+        6x a caught-up one)."""
         if self.cost is None:
             return True
         others = self.cost.others()
         worth = min(self.token_time, self.cost.step_token_s(others)) if others[0] else self.token_time
-        if self.drafter_gain * worth >= self.cost.overhead + self.drafter_rows_s:
+        if self.drafter_gain * worth >= self.cost.overhead:
             return True
-        return self.idle_rounds >= probe_interval(self.cost, self.cost.overhead + behind * self.catch_up_s, catch_up=True)
+        return self.idle_rounds >= probe_interval(self.cost, self.cost.overhead + behind * self.catch_up_s)
 
     def speculation_pays(self) -> bool:
         """In a batch (the cost model's `load`, d3d.scheduler) with other generations in it: whether building
@@ -205,12 +198,9 @@ class TreeProposer(Proposer):
                     self.rates[key] = [RATE_DECAY * right + (i in reached), RATE_DECAY * tried + 1]
         if self.cost is not None:  # in a batch a token costs the shared forward over all of its tokens
             others = self.cost.others()
-            width, tokens = _without_drafter(tree, path) if drafted else (len(tree), len(path) + 1)
-            spent = self.cost(others[0] + width) / (tokens + others[1])
+            spent = (self.cost(others[0] + len(tree)) + (self.cost.overhead if drafted else 0.0)) / \
+                (len(path) + 1 + others[1])
             self.token_time += GAIN_SMOOTHING * (spent - self.token_time)
-            if drafted:
-                rows = self.cost(others[0] + len(tree)) - self.cost(others[0] + width)
-                self.drafter_rows_s += GAIN_SMOOTHING * (rows - self.drafter_rows_s)
         if self.speculated:
             tokens, width = len(path) + 1, len(tree)
             self.spec_tokens = tokens if self.spec_tokens is None else \
@@ -255,7 +245,7 @@ class TreeProposer(Proposer):
                 for c in store.lookup(tokens, k, self.retrieved):
                     keys = retrieval_keys(source, c)
                     draft.add(c.tokens, [self.rate(key) for key in keys], source, keys=keys)
-        return draft.select(self.budget, k, self.cost if self.drafted else self.plain_cost)
+        return draft.select(self.budget, k, self.cost)
 
     def _add_drafter(self, draft: TreeDraft, block: SlotBlock) -> None:
         tokens = [t[0] for t in block.top_tokens]  # each slot's most likely token
@@ -267,15 +257,6 @@ class TreeProposer(Proposer):
             for t, p in list(zip(block.top_tokens[j], block.top_probs[j]))[1:1 + self.alternatives]:
                 factors = [p] + [c * ALT_TAIL_DISCOUNT for c in conf[tail]]
                 draft.add([t] + tokens[tail], factors, "alt", start=parent)
-
-
-def _without_drafter(tree: TokenTree, path: list[int]) -> tuple[int, int]:
-    """(width, tokens) of the round had the drafter not run: its tree less the nodes only the drafter proposed
-    (a node the other proposers also reached is theirs too, so what remains is ancestor-closed), and the
-    accepted path up to the first such node, plus the bonus token the target gives there."""
-    width = sum(1 for sources in tree.sources if not sources <= DRAFTER_SOURCES)
-    first = next((j for j, i in enumerate(path) if tree.sources[i] <= DRAFTER_SOURCES), len(path))
-    return width, first + 1
 
 
 def retrieval_keys(source: str, c: Continuation) -> list[tuple]:
