@@ -215,11 +215,10 @@ class AsyncD3DProposer(Proposer):
     @torch.no_grad()
     def sync_draft(self, tokens: list[int], k: int) -> Block:
         """A plain synchronous D3D draft after the verified text (ending with the pending token): the whole
-        block where the next packed pass needs it, else k drafts from k + 1 slots, as D3DProposer drafts; the
+        block where the next packed pass needs it, else k drafts (Drafter.draft_logits), as D3DProposer drafts; the
         cache then keeps the text minus the pending token, which the next packed pass feeds as v0."""
         t0 = now_us()
-        n = self.drafter.block_size - 1 if self.pack else k
-        logits = self.drafter.draft_block(tokens, min(n + 1, self.drafter.block_size))[:n]
+        logits = self.drafter.draft_logits(tokens, self.drafter.block_size - 1 if self.pack else k)
         keep_prefix(self.drafter, len(tokens) - 1)
         block = self.block_of(logits)
         add_span(self.trace, "sync draft", DRAFT_TID, t0, now_us())

@@ -158,6 +158,11 @@ def drafter_costs(proposer: D3DProposer, slots: list[int | None], context: int =
     return {s: min(t) for s, t in times.items()}
 
 
+def slot_options(block_size: int) -> list[int]:
+    """The drafting passes whose cost is measured (drafter_costs): 2, 4, 8, ... slots, and the whole block."""
+    return sorted({min(2 ** i, block_size) for i in range(1, block_size.bit_length() + 1)})
+
+
 def choose_slots(proposer: D3DProposer, max_ratio: float = 1.25) -> tuple[int, float, float]:
     """(slots, seconds a draft of them costs, seconds each further token fed adds): the most slots (of 2, 4,
     8, ..., the block) whose drafting pass costs at most `max_ratio` times a 2-slot pass. Acceptance lives in
@@ -168,7 +173,7 @@ def choose_slots(proposer: D3DProposer, max_ratio: float = 1.25) -> tuple[int, f
     (TreeProposer.drafting_pays): on the fp32 pair's 0.5B drafter on 2 cores 5 ms, so 64 tokens behind, a
     pass costs 0.38 s instead of 0.06 s."""
     B = proposer.drafter.block_size
-    options = sorted({min(2 ** i, B) for i in range(1, B.bit_length() + 1)})
+    options = slot_options(B)
     costs = drafter_costs(proposer, options)
     best = max(s for s in options if costs[s] <= max_ratio * costs[options[0]])
     token_s = max(0.0, costs[B] - costs[options[0]]) / max(1, B - options[0])

@@ -118,6 +118,12 @@ class Drafter(Transformer):
         slots = self.block_size if slots is None else slots
         return slots - 1 if self.cfg.shift else slots
 
+    def draft_logits(self, tokens: list[int], k: int) -> torch.Tensor:
+        """Draft-vocabulary logits [k, V_draft] of k drafts after `tokens`: the first k slots of a pass of k + 1
+        (the whole block at k = B - 1). Fewer slots cost less and keep the first slots' acceptance, so a draft cut
+        short (d3d.decoding.budget) is drafted short."""
+        return self.draft_block(tokens, min(k + 1, self.block_size))[:k]
+
     @torch.no_grad()
     def draft_block(self, tokens: list[int], slots: int | None = None) -> torch.Tensor:
         """Make the cache hold `tokens` (the verified text) and draft the B slots after it in the same

@@ -13,16 +13,15 @@ from ..decoding.verify import sample_draft
 
 
 class D3DProposer(DrafterProposer):
-    """Synchronous D3D: draft the block after the verified text (which ends with the bonus token). A draft of k
-    tokens is the first k slots of a pass of k + 1 (the whole block at k = B - 1): fewer slots cost less, and the
-    first slots, where acceptance lives, keep it (treecost.choose_slots). `length`: the DraftLength that sizes its
-    drafts alone (fitted_length), None: every round drafts the whole block."""
+    """Synchronous D3D: draft the block after the verified text (which ends with the bonus token), k drafts from a
+    pass of k + 1 slots (Drafter.draft_logits). `length`: the DraftLength that sizes its drafts alone
+    (fitted_length), None: every round drafts the whole block."""
 
     name = "d3d"
     length = None
 
     def propose(self, tokens: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
-        logits = self.drafter.draft_block(tokens, min(k + 1, self.drafter.block_size))[:k]
+        logits = self.drafter.draft_logits(tokens, k)
         return sample_draft(self.drafter, logits, self.params, self.vocab_size, self.generator)
 
 
@@ -31,14 +30,13 @@ def fitted_length(model, drafter):
     and the drafter's pass by slots, both measured (a few seconds); None where the target's context is too short
     to measure them."""
     from ..decoding.budget import DraftLength
-    from ..decoding.treecost import WidthCost, drafter_costs, measured_curve
+    from ..decoding.treecost import WidthCost, drafter_costs, measured_curve, slot_options
 
     curve = measured_curve(model)
     if not curve:
         return None
     B = drafter.block_size
-    slots = sorted({min(2 ** i, B) for i in range(1, B.bit_length() + 1)})
-    passes = WidthCost(drafter_costs(D3DProposer(drafter, model.args.vocab_size), slots))
+    passes = WidthCost(drafter_costs(D3DProposer(drafter, model.args.vocab_size), slot_options(B)))
     return DraftLength(WidthCost(curve), B - 1, draft_s=lambda n: passes(min(n + 1, B)))
 
 

@@ -4,8 +4,8 @@ At temperature 0 the verified text of a speculative run is, by losslessness, the
 continuation. So given that continuation, every round of a synchronous run can be replayed with the
 drafter alone: draft after the verified prefix, count the leading draft tokens that agree with the
 continuation, advance by that count + 1. The result equals a real `d3d` run's acceptance lengths
-(same drafter, whole blocks: a draft of k tokens is a pass of k + 1 slots, as D3DProposer drafts) without a
-single target forward.
+(same drafter, whole blocks, drafted as D3DProposer drafts them: Drafter.draft_logits) without a single target
+forward.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def replay_acceptance(drafter: Drafter, prompt_ids: list[int], continuation: lis
     while pos < len(continuation):
         k = min(B - 1, max_new_tokens - pos - 1)
         context = prompt_ids + continuation[:pos]
-        draft = drafter.draft_ids[drafter.draft_block(context, k + 1)[:k].argmax(-1)].tolist() if k > 0 else []
+        draft = drafter.draft_ids[drafter.draft_logits(context, k).argmax(-1)].tolist() if k > 0 else []
         n = leading_matches(d == c for d, c in zip(draft, continuation[pos:]))
         out.append(n + 1)
         pos += n + 1
