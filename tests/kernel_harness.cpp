@@ -115,19 +115,19 @@ void rows() {
   using namespace d3d::rows;
   for (int64_t D : {64, 128}) {
     const int64_t n = 37;
-    std::vector<float> q = randoms(D), k = randoms(n * D), v = randoms(n * D), out(D), scores;
-    std::vector<int64_t> keys;
+    std::vector<float> q = randoms(D), k = randoms(n * D), v = randoms(n * D), out(D);
+    AttendScratch scratch;
     std::vector<float> cs = randoms(D / 2), sn = randoms(D / 2), w = randoms(D);
     std::vector<float> normed(D);
     rms_norm(q.data(), w.data(), D, 1e-6f, normed.data());
     rope(normed.data(), cs.data(), sn.data(), D);
     const std::string d = "D=" + std::to_string(D);
     print(("norm+rope " + d).c_str(), normed);
-    attend_row(normed.data(), k.data(), v.data(), nullptr, n, D, out.data(), scores, keys);
+    attend_row(normed.data(), k.data(), v.data(), nullptr, n, D, out.data(), scratch);
     print(("attention " + d).c_str(), out);
     bool mask[37];
     for (int64_t j = 0; j < n; ++j) mask[j] = j % 3 != 1;
-    attend_row(normed.data(), k.data(), v.data(), mask, n, D, out.data(), scores, keys);
+    attend_row(normed.data(), k.data(), v.data(), mask, n, D, out.data(), scratch);
     print(("masked attention " + d).c_str(), out);
     // 3 rows x 2 heads together (a causal row, a tree row, a row of all the keys) over more keys than one chunk
     // holds, and the same 6 queries one by one: test_kernel_paths checks that the two lines are equal
@@ -138,11 +138,11 @@ void rows() {
     for (int64_t j = 0; j < many; ++j) tree_row[j] = j < 250 || j % 7 == 2;
     const bool* masks[nr] = {nullptr, tree_row, nullptr};
     const int64_t n_keys[nr] = {123, many, many};
-    attend_rows(qs.data(), nh * D, nr, nh, masks, n_keys, ks.data(), vs.data(), D, together.data(), nh * D, scores, keys);
+    attend_rows(qs.data(), nh * D, nr, nh, masks, n_keys, ks.data(), vs.data(), D, together.data(), nh * D, scratch);
     for (int64_t j = 0; j < nr; ++j)
       for (int64_t h = 0; h < nh; ++h)
         attend_row(qs.data() + (j * nh + h) * D, ks.data(), vs.data(), masks[j], n_keys[j], D,
-                   alone.data() + (j * nh + h) * D, scores, keys);
+                   alone.data() + (j * nh + h) * D, scratch);
     print(("attention of rows together " + d).c_str(), together);
     print(("attention of rows one by one " + d).c_str(), alone);
   }

@@ -157,13 +157,12 @@ at::Tensor layer_rows(const at::Tensor& x_, at::TensorList p, const at::Tensor& 
   float* ap = att.data_ptr<float>();
   const std::vector<AttentionTask> tasks = attention_tasks(r, KV, group, at::get_num_threads());
   at::parallel_for(0, int64_t(tasks.size()), 1, [&](int64_t b, int64_t e) {
-    std::vector<float> scores;
-    std::vector<int64_t> keys;
+    AttendScratch scratch;
     for (int64_t t = b; t < e; ++t) {
       const AttentionTask& a = tasks[t];
       const int64_t base = (r.slot[a.i0] * KV + a.h0 / group) * S * D;
       attend_rows(qp + a.i0 * width + a.h0 * D, width, a.i1 - a.i0, a.h1 - a.h0, r.mask_row.data() + a.i0,
-                  r.n_keys.data() + a.i0, kcp + base, vcp + base, D, ap + a.i0 * H * D + a.h0 * D, H * D, scores, keys);
+                  r.n_keys.data() + a.i0, kcp + base, vcp + base, D, ap + a.i0 * H * D + a.h0 * D, H * D, scratch);
     }
   });
 

@@ -221,16 +221,30 @@ inline float scaled_dots(const float* q, const float* kc, const int64_t* keys, i
 // query's result is out[D] = softmax(q.k / sqrt(D)) . v with the sums of attend_row alone, bit for bit; but the
 // keys and values are read in chunks of about 16 KB that every query takes in turn while the chunk is in the
 // cache. Query by query, a token tree's 16 rows times a group's heads each read the whole cache: at 1,200 tokens
-// of context that was two thirds of an 8-row forward of int4 SmolLM2. scratch: room for the scores and key lists.
+// of context that was two thirds of an 8-row forward of int4 SmolLM2. scratch: one thread's working memory, kept
+// from call to call (a forward makes one call per layer and task).
+struct AttendScratch {
+  std::vector<float> scores, peak, total;
+  std::vector<int64_t> keys, n, at;
+};
+
 inline void attend_rows(const float* q, int64_t q_stride, int64_t nr, int64_t nh, const bool* const* mask_rows,
                         const int64_t* n_keys, const float* kc, const float* vc, int64_t D, float* out,
-                        int64_t out_stride, std::vector<float>& scores, std::vector<int64_t>& keys) {
+                        int64_t out_stride, AttendScratch& scratch) {
   int64_t most = 0;
   for (int64_t j = 0; j < nr; ++j) most = std::max(most, n_keys[j]);
+  std::vector<float>& scores = scratch.scores;
+  std::vector<float>& peak = scratch.peak;
+  std::vector<float>& total = scratch.total;
+  std::vector<int64_t>& keys = scratch.keys;
+  std::vector<int64_t>& n = scratch.n;
+  std::vector<int64_t>& at = scratch.at;
   scores.resize(nr * nh * most);
   keys.resize(nr * most);
-  std::vector<int64_t> n(nr), at(nr);
-  std::vector<float> peak(nr * nh, -std::numeric_limits<float>::infinity());
+  n.resize(nr);
+  at.resize(nr);
+  total.resize(nr * nh);
+  peak.assign(nr * nh, -std::numeric_limits<float>::infinity());
   for (int64_t j = 0; j < nr; ++j) {
     n[j] = n_keys[j];
     if (mask_rows[j]) {
@@ -264,7 +278,6 @@ inline void attend_rows(const float* q, int64_t q_stride, int64_t nr, int64_t nh
       peak[j * nh + h] = std::max(peak[j * nh + h], p);
     }
   });
-  std::vector<float> total(nr * nh);
   for (int64_t j = 0; j < nr; ++j)
     for (int64_t h = 0; h < nh; ++h) {
       float* s = scores.data() + (j * nh + h) * most;
@@ -289,8 +302,8 @@ inline void attend_rows(const float* q, int64_t q_stride, int64_t nr, int64_t nh
 
 // Attention of one query row and head over the keys it may see (attend_rows of one query).
 inline void attend_row(const float* q, const float* kc, const float* vc, const bool* mask_row, int64_t n_keys,
-                       int64_t D, float* out, std::vector<float>& scores, std::vector<int64_t>& keys) {
-  attend_rows(q, 0, 1, 1, &mask_row, &n_keys, kc, vc, D, out, 0, scores, keys);
+                       int64_t D, float* out, AttendScratch& scratch) {
+  attend_rows(q, 0, 1, 1, &mask_row, &n_keys, kc, vc, D, out, 0, scratch);
 }
 
 // a[j] = SiLU(gate[j]) * up[j] for j < n.
