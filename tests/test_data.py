@@ -39,5 +39,8 @@ def test_data_is_the_targets_greedy_output_and_resumes(tmp_path, smol, prompt_se
     assert len(second["shards"]) == 2 and load_dataset(out, 1) == examples
     with pytest.raises(D3DError, match="built with other settings"):
         build(10**6, prompts="mix")
+    with pytest.raises(D3DError, match="built with other settings"):  # a folder keeps one precision too
+        build_dataset(model, tok, out, "SmolLM2-135M-Instruct", 10**6, MAX_NEW, shard_size=3, prompts=prompt_set,
+                      quantize="int4")
     with pytest.raises(D3DError, match="unknown prompt set 'prose'"):
         build_dataset(model, tok, tmp_path / "other", "SmolLM2-135M-Instruct", 1, prompts="prose")

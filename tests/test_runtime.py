@@ -241,15 +241,18 @@ def test_greedy_choices_equal_the_committed_bench_outputs(smol):
 
 @torch.no_grad()
 def test_batched_generation_equals_plain_decoding(smol, sequences):
-    """d3d.corpus.data.generate_batch (left padding, masks, compaction of finished rows) gives each prompt plain
-    decoding's greedy answer; sampled, the same seed gives the same answers."""
-    from d3d.corpus.data import generate_batch
+    """d3d.corpus.data's batched generation gives each prompt plain decoding's greedy answer, in cache slots on the
+    C++ layers (what generate_batch runs greedy there) and padded on the PyTorch layers (left padding, masks,
+    compaction of finished rows); sampled, the same seed gives the same answers."""
+    from d3d.corpus.data import generate_batch, generate_in_slots, generate_padded
     from d3d.decoding.engine import generate
 
     model, tok, _ = smol
     eos = {tok.eos_token_id}
-    batched = generate_batch(model, sequences, 16, eos)
-    assert batched == [generate(model, tok, s, max_new_tokens=16).token_ids for s in sequences]
+    solo = [generate(model, tok, s, max_new_tokens=16).token_ids for s in sequences]
+    assert generate_in_slots(model, sequences, 16, eos, prefill_rows=8) == solo
+    assert generate_padded(model, sequences, 16, eos) == solo
+    assert generate_batch(model, sequences, 16, eos) == solo
     sampled = [generate_batch(model, sequences, 8, eos, 0.8, torch.Generator().manual_seed(3)) for _ in range(2)]
     assert sampled[0] == sampled[1] and all(len(r) == 8 or r[-1] in eos for r in sampled[0])
 

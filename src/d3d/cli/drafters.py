@@ -26,9 +26,8 @@ def cmd_data(args: argparse.Namespace) -> None:
         if getattr(args, name) <= 0:
             raise D3DError(f"--{name.replace('_', '-')} must be > 0 (got {getattr(args, name)})")
     dataset_manifest(Path(args.out), args.target or DEFAULT_TARGET, args.max_new_tokens, shard_size=args.shard_size,
-                     prompts=args.prompts)  # a folder made with other settings fails before the target loads
-    model, tok, model_dir = open_target(args.target)
-    getattr(model, "drop_cpu_layers", lambda: None)()  # batched generation runs on the PyTorch layers
+                     prompts=args.prompts, quantize=args.quantize)  # other settings fail before the target loads
+    model, tok, model_dir = open_target(args.target, quantize=args.quantize)
     log_path = Path(args.out) / "progress.log"
     Path(args.out).mkdir(parents=True, exist_ok=True)
 
@@ -38,7 +37,7 @@ def cmd_data(args: argparse.Namespace) -> None:
 
     m = build_dataset(model, tok, Path(args.out), args.target or DEFAULT_TARGET, args.max_tokens,
                       args.max_new_tokens, batch_size=args.batch_size, shard_size=args.shard_size,
-                      prompts=args.prompts, log=log)
+                      prompts=args.prompts, log=log, quantize=args.quantize)
     print(f"{args.out}: {m['examples']} examples, {m['response_tokens']} response tokens")
 
 
@@ -183,6 +182,8 @@ def _data(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--shard-size", type=int, default=128)
+    p.add_argument("--quantize", choices=("int8", "int4"), default=None,
+                   help="the target's weights (default fp32); recorded in the folder's settings")
     p.add_argument("--threads", type=int, default=None)
     p.set_defaults(func=cmd_data)
 

@@ -37,6 +37,11 @@ class Segment:
         return self.tokens.shape[0]
 
 
+def runs_natively(model) -> bool:
+    """Whether a BatchedTarget of `model` runs its forwards on the C++ layers, all segments in one call."""
+    return model._cpu_ready(1, None) and model.cpu_params is not None
+
+
 class BatchedTarget:
     """A target model (d3d.runtime.target.Transformer) with a KV cache of `slots` sequences of up to `max_len`
     tokens each, run over several sequences per forward (`forward`)."""
@@ -63,7 +68,7 @@ class BatchedTarget:
     @property
     def native(self) -> bool:
         """Whether forwards run on the C++ layers, all segments in one call (else one PyTorch pass each)."""
-        return self.model._cpu_ready(1, None) and self.model.cpu_params is not None
+        return runs_natively(self.model)
 
     def move_rows(self, slot: int, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the K/V at positions `src` of one slot to positions `dst` (a token tree's accepted path)."""
