@@ -83,12 +83,28 @@ def test_train_with_lora_rank_resumes_and_writes_factors(tmp_path, smol):
     assert summary["steps_done"] == 3
     assert torch.equal(load_drafter(tmp_path / "w", model, tok).draft_ids, first_ids)
 
-    # --init would merge the adapters at load and train nothing but the mask embedding: refused
-    r = subprocess.run([sys.executable, "-m", "d3d.cli", "train", "--init", str(tmp_path / "w"), "--out",
-                        str(tmp_path / "x"), "--data", str(ROOT / "data" / "distill")], capture_output=True,
-                       text=True, timeout=120)
-    assert r.returncode != 0 and "Traceback" not in r.stderr
-    assert "is a LoRA drafter; continue its training from its run folder" in r.stderr.strip().splitlines()[-1]
+    # --init of a LoRA drafter trains its adapters on from its files alone (no run folder), at a higher rank if asked
+    from d3d.errors import D3DError
+    from d3d.training.train import continued_lora_drafter
+
+    prompt = [1, 504, 3203, 28, 2683, 314]
+    saved = load_drafter(tmp_path / "w", model, tok)
+    saved.setup_cache(1, 64)
+    went_on = continued_lora_drafter(tmp_path / "w", model, tok, "SmolLM2-135M-Instruct", model_dir, 29, lora_rank=4)
+    assert went_on.layers[29].attention.wqkv.lora_a.shape[0] == 4 and went_on.cfg.lora_rank == 4
+    assert torch.equal(went_on.draft_ids, first_ids)
+    went_on.eval().setup_cache(1, 64)
+    assert torch.allclose(went_on.draft_block(prompt), saved.draft_block(prompt), atol=1e-3, rtol=1e-4)
+    with pytest.raises(D3DError, match="would drop the trained adapters of layers 29..29"):
+        continued_lora_drafter(tmp_path / "w", model, tok, "SmolLM2-135M-Instruct", model_dir, 30)
+    trained = summary
+    summary = train_drafter(None, ROOT / "data" / "distill", tmp_path / "v", tmp_path / "v.run", None, 512, 16,
+                            TrainConfig(**(cfg.__dict__ | {"steps": 1})), heldout=1, max_shards=2,
+                            init=tmp_path / "w", lora_rank=4)
+    assert summary["steps_done"] == 1 and summary["init_training"]["steps_done"] == 3
+    # it starts where the files left it (their factors are stored in fp16)
+    assert summary["heldout_before"]["loss"] == pytest.approx(trained["heldout_after"]["loss"], rel=1e-3)
+    assert json.loads((tmp_path / "v" / "drafter.json").read_text())["lora_rank"] == 4
 
 
 @pytest.mark.slow

@@ -63,21 +63,25 @@ def cmd_train(args: argparse.Namespace) -> None:
     from ..runtime.checkpoints import read_hf_config, resolve_target
     from ..drafters.kinds import get_kind, spread_layers
 
+    lora_init = False
     if args.init:
         check_drafter(args.init)
         from ..drafters.files import read_drafter_config
 
-        if read_drafter_config(Path(args.init)).lora_rank:  # loading merges the adapters: nothing would train
-            raise D3DError(f"--init {args.init} is a LoRA drafter; continue its training from its run folder "
-                           "instead (the command that made it, with a larger --steps and the same --run-dir)")
+        lora_init = read_drafter_config(Path(args.init)).lora_rank > 0  # its adapters train on (continued_lora_drafter)
     kind = get_kind(args.kind)
     if args.init_model is not None and (args.init or not kind.converts):
         raise D3DError(f"--init-model builds a new drafter of a kind that converts a whole model; it excludes "
                        f"--init and --kind {kind.name}")
-    if args.lora_rank < 0 or (args.lora_rank and args.init_model in (None, "target")):
-        raise D3DError("--lora-rank needs --init-model NAME|PATH (a model other than the target) and must be >= 0")
+    if args.lora_rank < 0 or (args.lora_rank and args.init_model in (None, "target") and not lora_init):
+        raise D3DError("--lora-rank needs --init-model NAME|PATH (a model other than the target) or --init of a LoRA "
+                       "drafter, and must be >= 0")
     if args.heldout < 1:
         raise D3DError(f"--heldout must be >= 1 (got {args.heldout})")
+    if args.freeze_below is None:  # a LoRA drafter goes on with the layers it adapts
+        from ..training.train import adapted_layers
+
+        args.freeze_below = adapted_layers(Path(args.init))[0] if lora_init else 0
     if args.freeze_below < 0:
         raise D3DError(f"--freeze-below must be >= 0 (got {args.freeze_below})")
     if args.max_file_mb is not None and args.max_file_mb <= 0:
@@ -208,17 +212,21 @@ def _train(sub) -> None:
     p.add_argument("--layers", default=None,
                    help="target layers that initialise the drafter stack (default 26,27,28,29; "
                         "with --init-model: layers of that model, default all)")
-    p.add_argument("--init", default=None, help="fine-tune this drafter checkpoint instead of building a new one")
+    p.add_argument("--init", default=None, help="fine-tune this drafter checkpoint instead of building a new one (a LoRA "
+                   "drafter: its adapters train on, from its files; --lora-rank may raise their rank)")
     p.add_argument("--init-model", nargs="?", const="target", default=None, metavar="PATH_OR_NAME",
                    help="convert a whole pretrained causal LM with the target's tokenizer (a HF folder, a .gguf, "
                         "or `target`, the default when the flag has no value) into a token-shift block-diffusion "
                         "drafter; made from the target, layers kept frozen are stored as references (delta)")
-    p.add_argument("--freeze-below", type=int, default=0, help="keep drafter stack layers 0..N-1 frozen")
+    p.add_argument("--freeze-below", type=int, default=None,
+                   help="keep drafter stack layers 0..N-1 frozen (default 0; with --init of a LoRA drafter, the layers "
+                        "below its adapters)")
     p.add_argument("--heldout", type=int, default=64, metavar="N",
                    help="the last N examples of --data are held out: evaluated before and after, never trained on")
     p.add_argument("--lora-rank", type=int, default=0, metavar="R",
                    help="with --init-model NAME|PATH: train rank-R adapters (and the mask embedding) instead of "
-                        "whole layers; the drafter stores only those, over that model's weights (default 0: off)")
+                        "whole layers; the drafter stores only those, over that model's weights (default 0: off); "
+                        "with --init of a LoRA drafter: its adapters' new rank, at least theirs")
     p.add_argument("--max-file-mb", type=float, default=None, help="split the weights into files of at most this size")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="LM head rows (most frequent tokens); 0 = all (default 8192; with --init-model 0)")

@@ -197,6 +197,42 @@ def init_model_drafter(target, tokenizer, target_name: str, target_dir: Path, in
     return d
 
 
+def adapted_layers(folder: Path) -> list[int]:
+    """The stack layers whose adapters a LoRA drafter's files store."""
+    from ..drafters.files import read_safetensors, weight_files
+
+    return sorted({int(k.split(".")[1]) for f in weight_files(folder) for k in read_safetensors(f) if is_factor(k)})
+
+
+def continued_lora_drafter(init: Path, target, tokenizer, target_name: str, target_dir: Path, freeze_below: int,
+                           lora_rank: int = 0) -> Drafter:
+    """The LoRA drafter `init` set up to train further from its files alone (its run folder and optimizer state
+    may be on another machine): its base model converted again, with adapters of rank max(lora_rank, its own) on
+    the stack layers from `freeze_below` up (at most its lowest adapted layer), its stored factors in their first
+    ranks (the other ranks start with B = 0, so it starts exactly as saved), its mask embedding and draft
+    vocabulary kept."""
+    from ..drafters.files import read_drafter_config, read_safetensors, weight_files
+
+    cfg = read_drafter_config(init)
+    lowest = adapted_layers(init)[0]
+    if freeze_below > lowest:
+        raise D3DError(f"--freeze-below {freeze_below} would drop the trained adapters of layers {lowest}.."
+                       f"{freeze_below - 1} of {init}")
+    stored = {k: v for f in weight_files(init) for k, v in read_safetensors(f).items()}
+    d = init_model_drafter(target, tokenizer, target_name, target_dir, cfg.base_model, cfg.init_layers, cfg.block_size,
+                           stored["draft_ids"], freeze_below, max(lora_rank, cfg.lora_rank))
+    params = dict(d.named_parameters())
+    with torch.no_grad():
+        for key, value in stored.items():
+            if key.endswith(".lora_a"):
+                params[key][:value.shape[0]] = value.float()
+            elif key.endswith(".lora_b"):
+                params[key][:, :value.shape[1]] = value.float()
+        params["mask_embedding"].copy_(stored["mask_embedding"].float())
+    d.cfg.training = cfg.training
+    return d
+
+
 def target_shape(target: str | None):
     """(weightless model, tokenizer, model_dir) of a target: its shape on the meta device, all that
     converting another model into its drafter needs (the target's weights never load)."""
@@ -238,11 +274,13 @@ def train_drafter(target: str | None, data: Path, out: Path, run_dir: Path, laye
     from ..runtime.checkpoints import DEFAULT_TARGET, resolve_target
     from ..corpus.data import load_dataset
     from ..drafters.convert import drafter_from_target
-    from ..drafters.files import load_drafter, save_drafter
+    from ..drafters.files import load_drafter, read_drafter_config, save_drafter
     from ..runtime.loading import load_target
 
-    converting_other = init is None and init_model not in (None, INIT_TARGET) and get_kind(kind).converts and not cfg.distill \
-        and resolve_target(init_model).resolve() != resolve_target(target).resolve()
+    lora_init = init is not None and read_drafter_config(init).lora_rank > 0
+    base = read_drafter_config(init).base_model if lora_init else init_model
+    converting_other = (init is None or lora_init) and base not in (None, INIT_TARGET) and get_kind(kind).converts \
+        and not cfg.distill and resolve_target(base).resolve() != resolve_target(target).resolve()
     model, tok, model_dir = target_shape(target) if converting_other else load_target(target)
     getattr(model, "drop_cpu_layers", lambda: None)()  # training runs on the PyTorch layers
     examples = load_dataset(data, max_shards)
@@ -251,7 +289,10 @@ def train_drafter(target: str | None, data: Path, out: Path, run_dir: Path, laye
     train_set, held = examples[:-heldout], examples[-heldout:]
     extra = [e for x in extra_data for e in load_dataset(x)]
     train_set += extra
-    if init is not None:
+    if lora_init:
+        drafter = continued_lora_drafter(init, model, tok, target or DEFAULT_TARGET, model_dir, cfg.freeze_below,
+                                         lora_rank)
+    elif init is not None:
         drafter = load_drafter(init, model, tok).requires_grad_(True)
         if drafter.cfg.kind != kind:
             raise D3DError(f"--init {init} is a {drafter.cfg.kind!r} drafter, not {kind!r} (see --kind)")
