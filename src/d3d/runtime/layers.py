@@ -55,7 +55,10 @@ def _sliding_window(cfg: dict) -> int:
 
 
 def rope_frequencies(args: ModelArgs, device=None) -> torch.Tensor:
-    inv = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float32) / args.head_dim))
+    """The rotary inverse frequencies, computed on the CPU (under a meta default device the arithmetic would run
+    PyTorch's Python decompositions, whose first call imports torch._dynamo), then on `device` (None: the
+    default device)."""
+    inv = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float32, device="cpu") / args.head_dim))
     s = args.rope_scaling
     if s and s.get("rope_type") == "llama3":
         lo = s["original_max_position_embeddings"] / s["low_freq_factor"]
@@ -68,7 +71,7 @@ def rope_frequencies(args: ModelArgs, device=None) -> torch.Tensor:
         inv = torch.where(mid, (1 - smooth) * inv / s["factor"] + smooth * inv, scaled)
     elif s:
         raise D3DError(f"unsupported rope scaling {s.get('rope_type')}")
-    return inv.float().to(device)
+    return inv.float().to(torch.get_default_device() if device is None else device)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,10 @@ class Transformer(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.args = a
-        self.tok_embeddings = nn.Embedding(a.vocab_size, a.dim)
+        # built on the meta device (every loader does, then assigns the weights) the embedding skips its normal_
+        # init: on meta tensors that runs a Python decomposition whose first call imports torch._dynamo (1.4 s)
+        meta = torch.empty(0).is_meta
+        self.tok_embeddings = nn.Embedding(a.vocab_size, a.dim, _weight=torch.empty(a.vocab_size, a.dim) if meta else None)
         self.layers = nn.ModuleList(Block(a) for _ in range(a.n_layers))
         self.norm = RMSNorm(a.dim, a.norm_eps)
         self.output = nn.Linear(a.dim, a.vocab_size, bias=False)
