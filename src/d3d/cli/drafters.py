@@ -98,7 +98,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     if not kind.blocks and ar_weight <= 0:
         raise D3DError(f"--kind {kind.name} trains with the next-token loss only: --ar-weight must be > 0")
     n = read_hf_config(resolve_target(args.target))["num_hidden_layers"]
-    if not whole and not all(0 <= i < n for i in layers):
+    if not whole and not args.init and not all(0 <= i < n for i in layers):  # --init: its own layers win
         raise D3DError(f"--layers must lie in 0..{n - 1} (got {layers})")
     target_layers = None
     if kind.reads_target:
