@@ -79,9 +79,9 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.heldout < 1:
         raise D3DError(f"--heldout must be >= 1 (got {args.heldout})")
     if args.freeze_below is None:  # a LoRA drafter goes on with the layers it adapts
-        from ..training.train import adapted_layers
+        from ..training.train import adapted_layers, stored_weights
 
-        args.freeze_below = adapted_layers(Path(args.init))[0] if lora_init else 0
+        args.freeze_below = adapted_layers(stored_weights(Path(args.init)))[0] if lora_init else 0
     if args.freeze_below < 0:
         raise D3DError(f"--freeze-below must be >= 0 (got {args.freeze_below})")
     if args.max_file_mb is not None and args.max_file_mb <= 0:

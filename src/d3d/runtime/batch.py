@@ -39,7 +39,7 @@ class Segment:
 
 def runs_natively(model) -> bool:
     """Whether a BatchedTarget of `model` runs its forwards on the C++ layers, all segments in one call."""
-    return model._cpu_ready(1, None) and model.cpu_params is not None
+    return getattr(model, "cpu_params", None) is not None and model._cpu_ready(1, None)  # HFRuntime has neither
 
 
 class BatchedTarget:

@@ -197,11 +197,16 @@ def init_model_drafter(target, tokenizer, target_name: str, target_dir: Path, in
     return d
 
 
-def adapted_layers(folder: Path) -> list[int]:
-    """The stack layers whose adapters a LoRA drafter's files store."""
+def stored_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """What a drafter's weight files hold, as stored (a LoRA drafter: its factors, mask embedding and draft ids)."""
     from ..drafters.files import read_safetensors, weight_files
 
-    return sorted({int(k.split(".")[1]) for f in weight_files(folder) for k in read_safetensors(f) if is_factor(k)})
+    return {k: v for f in weight_files(folder) for k, v in read_safetensors(f).items()}
+
+
+def adapted_layers(stored: dict[str, torch.Tensor]) -> list[int]:
+    """The stack layers whose adapters a LoRA drafter's stored weights (stored_weights) hold."""
+    return sorted({int(k.split(".")[1]) for k in stored if is_factor(k)})
 
 
 def continued_lora_drafter(init: Path, target, tokenizer, target_name: str, target_dir: Path, freeze_below: int,
@@ -211,14 +216,14 @@ def continued_lora_drafter(init: Path, target, tokenizer, target_name: str, targ
     the stack layers from `freeze_below` up (at most its lowest adapted layer), its stored factors in their first
     ranks (the other ranks start with B = 0, so it starts exactly as saved), its mask embedding and draft
     vocabulary kept."""
-    from ..drafters.files import read_drafter_config, read_safetensors, weight_files
+    from ..drafters.files import read_drafter_config
 
     cfg = read_drafter_config(init)
-    lowest = adapted_layers(init)[0]
+    stored = stored_weights(init)
+    lowest = adapted_layers(stored)[0]
     if freeze_below > lowest:
         raise D3DError(f"--freeze-below {freeze_below} would drop the trained adapters of layers {lowest}.."
                        f"{freeze_below - 1} of {init}")
-    stored = {k: v for f in weight_files(init) for k, v in read_safetensors(f).items()}
     d = init_model_drafter(target, tokenizer, target_name, target_dir, cfg.base_model, cfg.init_layers, cfg.block_size,
                            stored["draft_ids"], freeze_below, max(lora_rank, cfg.lora_rank))
     params = dict(d.named_parameters())
@@ -277,8 +282,9 @@ def train_drafter(target: str | None, data: Path, out: Path, run_dir: Path, laye
     from ..drafters.files import load_drafter, read_drafter_config, save_drafter
     from ..runtime.loading import load_target
 
-    lora_init = init is not None and read_drafter_config(init).lora_rank > 0
-    base = read_drafter_config(init).base_model if lora_init else init_model
+    init_cfg = read_drafter_config(init) if init is not None else None
+    lora_init = init_cfg is not None and init_cfg.lora_rank > 0
+    base = init_cfg.base_model if lora_init else init_model
     converting_other = (init is None or lora_init) and base not in (None, INIT_TARGET) and get_kind(kind).converts \
         and not cfg.distill and resolve_target(base).resolve() != resolve_target(target).resolve()
     model, tok, model_dir = target_shape(target) if converting_other else load_target(target)
