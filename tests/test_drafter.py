@@ -61,6 +61,21 @@ def test_loss_decreases_on_tiny_model(tmp_path):
     assert hist[-1]["tau"] > hist[0]["tau"]
 
 
+def test_bf16_training_follows_fp32_and_keeps_fp32_weights(tmp_path):
+    """--bf16: the products in bfloat16, everything stored in fp32; the first step's loss is fp32's to bf16's
+    precision, and it learns as fp32 does."""
+    ex = tiny_examples()
+    cfg = TrainConfig(steps=30, batch_size=8, lr=1e-2, warmup=5, blocks_per_seq=4, checkpoint_every=100)
+    fp32 = train(trainable_drafter(), ex, cfg, tmp_path / "a", log=lambda *_: None)
+    d = trainable_drafter()
+    bf16 = train(d, ex, TrainConfig(**{**cfg.__dict__, "bf16": True}), tmp_path / "b", log=lambda *_: None)
+    assert abs(bf16[0]["loss"] - fp32[0]["loss"]) < 0.02 * fp32[0]["loss"], (bf16[0], fp32[0])
+    assert bf16[0]["loss"] != fp32[0]["loss"]  # the products did run in bfloat16
+    last = [sum(h["loss"] for h in run[-5:]) / 5 for run in (fp32, bf16)]
+    assert last[1] < 0.6 * sum(h["loss"] for h in bf16[:5]) / 5 and abs(last[1] - last[0]) < 0.1 * last[0], last
+    assert all(p.dtype == torch.float32 for p in d.parameters())
+
+
 def test_training_resumes_exactly_after_a_kill(tmp_path, monkeypatch):
     ex = tiny_examples()
     cfg = TrainConfig(steps=6, batch_size=4, lr=1e-3, warmup=2, blocks_per_seq=3, checkpoint_every=2)

@@ -109,7 +109,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, ar_weight=ar_weight,
                       gamma=args.gamma, blocks_per_seq=args.blocks_per_seq if kind.blocks else 0, seed=args.seed,
                       warmup=args.warmup, max_prompt_tokens=args.max_prompt_tokens, layer_drop=args.layer_drop,
-                      freeze_below=args.freeze_below, distill=args.distill)
+                      freeze_below=args.freeze_below, distill=args.distill, bf16=args.bf16)
     run_dir = Path(args.run_dir or Path(args.out).with_name(Path(args.out).name + ".run"))
     summary = train_drafter(args.target, Path(args.data), Path(args.out), run_dir, layers, draft_vocab,
                             args.block_size, cfg, command="d3d " + shlex.join(args.argv),
@@ -248,6 +248,9 @@ def _train(sub) -> None:
                         "weighted W against its greedy tokens' 1 - W (0..1; costs a target forward per step)")
     p.add_argument("--layer-drop", type=float, default=0.0,
                    help="LayerDrop: skip each drafter layer with this probability per step (makes it prunable)")
+    p.add_argument("--bf16", action="store_true",
+                   help="mixed precision: the matrix products in bfloat16 under torch.autocast, weights, AdamW state "
+                        "and losses in fp32 (about twice the tokens/s on CPUs with AVX512-BF16 or AMX, and on GPUs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-shards", type=int, default=None, help="train on the first N data shards only")
     p.add_argument("--extra-data", action="append", metavar="DIR",

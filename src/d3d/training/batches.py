@@ -38,6 +38,7 @@ class TrainConfig:
     layer_drop: float = 0.0         # LayerDrop: skip each stack layer with this probability per step
     freeze_below: int = 0           # stack layers 0..freeze_below-1 stay frozen
     distill: float = 0.0            # weight of the target's soft labels against its greedy tokens (0..1)
+    bf16: bool = False              # matrix products in bfloat16 (torch.autocast); weights, AdamW and losses fp32
 
 
 @dataclass

@@ -52,7 +52,8 @@ def teacher_log_probs(teacher, model: Drafter, batch: Batch) -> torch.Tensor:
 
 def _cross_entropy(logits: torch.Tensor, target: torch.Tensor, soft: torch.Tensor | None, alpha: float):
     """Per-row CE on the greedy tokens (-100: none), mixed with weight alpha with CE on the soft labels
-    `soft` (teacher log-probabilities) where given."""
+    `soft` (teacher log-probabilities) where given. In fp32 whatever the logits' precision (bf16 training)."""
+    logits = logits.float()
     hard = F.cross_entropy(logits, target.clamp(min=0), reduction="none")
     if soft is None:
         return hard

@@ -1,5 +1,5 @@
 """Training the D3D drafter: the loop (AdamW, warmup + cosine, LayerDrop, frozen layers, resumable,
-accelerate-ready) and `d3d train` (build or load a drafter, train it on distillation data, save it).
+accelerate-ready, optionally bfloat16 products) and `d3d train` (build or load a drafter, train it on distillation data, save it).
 The batches and the objective are d3d.training.batches and d3d.training.losses.
 """
 from __future__ import annotations
@@ -129,7 +129,7 @@ def train(model: Drafter, examples: list[Example], cfg: TrainConfig, run_dir: Pa
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
         drop = dropped_layers(len(core.layers), cfg.layer_drop, step, cfg.seed)
-        with bypassed(core, drop):
+        with bypassed(core, drop), torch.autocast(acc.device.type, torch.bfloat16, enabled=cfg.bf16):
             out = losses(core, batch, cfg, target, teacher)
         opt.zero_grad(set_to_none=True)
         out["loss"].backward()
