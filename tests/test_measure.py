@@ -25,6 +25,9 @@ def test_estimate_adds_drafters_to_one_report(tmp_path, capsys):
     assert shipped["layers"] == 4 and shipped["weights"] and whole["weights"] is None
     for row in (shipped, whole):
         assert row["prompts"] == 1 and 1 <= row["tau"] <= 16 and row["per_benchmark"]["gsm8k"] == row["tau"]
+        reach = row["reach"]
+        assert len(reach) == 15 and reach == sorted(reach, reverse=True) and reach[0] == row["first_draft_accepted"]
+        assert abs(1 + sum(reach) - row["tau"]) < 1e-3
     assert (tmp_path / "whole" / "drafter.json").exists()
 
     assert main(["estimate", "--drafters", f"shipped={SHIPPED}", *common[:-4], "--limit", "2", "--out", str(out)]) == 2

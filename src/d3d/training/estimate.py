@@ -96,7 +96,9 @@ def whole_target_drafter(model, tokenizer, target_name: str, block_size: int = 1
 def estimate_tau(drafter: Drafter, conts: dict[str, list[tuple[list[int], list[int]]]],
                  max_new_tokens: int) -> dict:
     """Replayed greedy tau of `drafter` on benchmark continuations (benchmark_continuations): over all
-    rounds, per benchmark, their mean, and the share of rounds whose first draft token was accepted."""
+    rounds, per benchmark, their mean, the share of rounds whose first draft token was accepted, and `reach`:
+    for each draft position k = 1 .. block - 1, the share of rounds that accepted it (the tau-by-position curve;
+    tau is 1 + its sum)."""
     t0 = time.time()
     by_bench = {b: [a for p, c in rows for a in replay_acceptance(drafter, p, c, max_new_tokens)]
                 for b, rows in conts.items()}
@@ -105,4 +107,5 @@ def estimate_tau(drafter: Drafter, conts: dict[str, list[tuple[list[int], list[i
     return {"tau": round(sum(lengths) / max(1, len(lengths)), 4), "per_benchmark": per,
             "mean": round(sum(per.values()) / max(1, len(per)), 4), "rounds": len(lengths),
             "first_draft_accepted": round(sum(a >= 2 for a in lengths) / max(1, len(lengths)), 4),
+            "reach": [round(sum(a > k for a in lengths) / max(1, len(lengths)), 4) for k in range(1, drafter.block_size)],
             "prompts": sum(len(r) for r in conts.values()), "estimate_s": round(time.time() - t0, 1)}
