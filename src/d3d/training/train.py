@@ -1,6 +1,6 @@
 """Training the D3D drafter: the loop (AdamW, warmup + cosine, LayerDrop, frozen layers, resumable,
-accelerate-ready, optionally bfloat16 products) and `d3d train` (build or load a drafter, train it on distillation data, save it).
-The batches and the objective are d3d.training.batches and d3d.training.losses.
+accelerate-ready, optionally bfloat16 products) and `d3d train` (build or load a drafter, train it on
+distillation data, save it). The batches and the objective are d3d.training.batches and d3d.training.losses.
 """
 from __future__ import annotations
 
