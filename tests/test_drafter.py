@@ -1,4 +1,5 @@
 """The D3D drafter: attention layout, training, checkpoints, cache consistency, losslessness."""
+import dataclasses
 import json
 import os
 import random
@@ -68,7 +69,7 @@ def test_bf16_training_follows_fp32_and_keeps_fp32_weights(tmp_path):
     cfg = TrainConfig(steps=30, batch_size=8, lr=1e-2, warmup=5, blocks_per_seq=4, checkpoint_every=100)
     fp32 = train(trainable_drafter(), ex, cfg, tmp_path / "a", log=lambda *_: None)
     d = trainable_drafter()
-    bf16 = train(d, ex, TrainConfig(**{**cfg.__dict__, "bf16": True}), tmp_path / "b", log=lambda *_: None)
+    bf16 = train(d, ex, dataclasses.replace(cfg, bf16=True), tmp_path / "b", log=lambda *_: None)
     assert abs(bf16[0]["loss"] - fp32[0]["loss"]) < 0.02 * fp32[0]["loss"], (bf16[0], fp32[0])
     assert bf16[0]["loss"] != fp32[0]["loss"]  # the products did run in bfloat16
     last = [sum(h["loss"] for h in run[-5:]) / 5 for run in (fp32, bf16)]

@@ -104,8 +104,9 @@ def estimate_tau(drafter: Drafter, conts: dict[str, list[tuple[list[int], list[i
                 for b, rows in conts.items()}
     lengths = [a for ls in by_bench.values() for a in ls]
     per = {b: round(sum(ls) / max(1, len(ls)), 4) for b, ls in by_bench.items()}
-    return {"tau": round(sum(lengths) / max(1, len(lengths)), 4), "per_benchmark": per,
+    n = max(1, len(lengths))
+    reach = [round(sum(a > k for a in lengths) / n, 4) for k in range(1, drafter.block_size)]
+    return {"tau": round(sum(lengths) / n, 4), "per_benchmark": per,
             "mean": round(sum(per.values()) / max(1, len(per)), 4), "rounds": len(lengths),
-            "first_draft_accepted": round(sum(a >= 2 for a in lengths) / max(1, len(lengths)), 4),
-            "reach": [round(sum(a > k for a in lengths) / max(1, len(lengths)), 4) for k in range(1, drafter.block_size)],
+            "first_draft_accepted": reach[0] if reach else 0.0, "reach": reach,
             "prompts": sum(len(r) for r in conts.values()), "estimate_s": round(time.time() - t0, 1)}
