@@ -8,6 +8,24 @@
 #include <ATen/Parallel.h>
 #include <string>
 
+void d3d::int8_linear_into(const float* x, int64_t M, int64_t K, const at::Tensor& w, const at::Tensor& w_sum,
+                           const at::Tensor& w_scale, const float* smooth, const float* bias, float* y) {
+  const int64_t NB = w.size(0), K4 = w.size(1), N = w_scale.size(0), Kp = K4 * 4;
+  thread_local std::vector<uint8_t> xq;
+  thread_local std::vector<float> x_scale;
+  xq.resize(M * Kp);
+  x_scale.resize(M);
+  for (int64_t m = 0; m < M; ++m) x_scale[m] = d3d::int8::quantize_row(x + m * K, smooth, K, Kp, xq.data() + m * Kp);
+  const uint8_t* qp = xq.data();  // taken here: inside the lambda, on a worker thread, xq is that thread's buffer
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const int32_t* wsum = w_sum.data_ptr<int32_t>();
+  const float* wsc = w_scale.data_ptr<float>();
+  const float* xs = x_scale.data();
+  at::parallel_for(0, NB, 4, [&](int64_t b0, int64_t b1) {
+    d3d::int8::blocks(qp, M, K4, wp, N, wsum, wsc, xs, bias, y, b0, b1);
+  });
+}
+
 at::Tensor d3d::int8_linear(const at::Tensor& x_, const at::Tensor& w, const at::Tensor& w_sum, const at::Tensor& w_scale,
                        const std::optional<at::Tensor>& smooth_, const std::optional<at::Tensor>& bias_) {
   TORCH_CHECK(x_.scalar_type() == at::kFloat && w.scalar_type() == at::kChar && w.dim() == 4 && w.is_contiguous(),
@@ -15,24 +33,10 @@ at::Tensor d3d::int8_linear(const at::Tensor& x_, const at::Tensor& w, const at:
   const int64_t NB = w.size(0), K4 = w.size(1), N = w_scale.size(0), K = x_.size(-1);
   TORCH_CHECK(K <= K4 * 4 && N <= NB * d3d::int8::LANES, "int8_linear: shapes do not match the packed weight");
   at::Tensor x = x_.reshape({-1, K}).contiguous();
-  const int64_t M = x.size(0), Kp = K4 * 4;
-  at::Tensor xq = at::empty({M, Kp}, x.options().dtype(at::kByte));
-  at::Tensor x_scale = at::empty({M}, x.options());
-  const float* smooth = smooth_.has_value() ? smooth_->data_ptr<float>() : nullptr;
-  for (int64_t m = 0; m < M; ++m)
-    x_scale.data_ptr<float>()[m] =
-        d3d::int8::quantize_row(x.data_ptr<float>() + m * K, smooth, K, Kp, xq.data_ptr<uint8_t>() + m * Kp);
+  const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
-  const uint8_t* qp = xq.data_ptr<uint8_t>();
-  const int8_t* wp = w.data_ptr<int8_t>();
-  const int32_t* wsum = w_sum.data_ptr<int32_t>();
-  const float* wsc = w_scale.data_ptr<float>();
-  const float* xs = x_scale.data_ptr<float>();
-  const float* bp = bias_.has_value() ? bias_->data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, NB, 4, [&](int64_t b0, int64_t b1) {
-    d3d::int8::blocks(qp, M, K4, wp, N, wsum, wsc, xs, bp, yp, b0, b1);
-  });
+  int8_linear_into(x.data_ptr<float>(), M, K, w, w_sum, w_scale, smooth_.has_value() ? smooth_->data_ptr<float>() : nullptr,
+                   bias_.has_value() ? bias_->data_ptr<float>() : nullptr, y.data_ptr<float>());
   auto shape = x_.sizes().vec();
   shape.back() = N;
   return y.view(shape);

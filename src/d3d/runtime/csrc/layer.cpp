@@ -10,7 +10,9 @@
 // wqkv, wo, w13, w2 in turn five slots: int8 (packed, w_sum, w_scale, smooth, bias), int4 (q, scales,
 // factors, shape, bias) or fp32 (packed, -, -, -, bias); empty: none.
 #include "d3d.h"
+#include "fp32_kernel.h"
 #include "layer_kernel.h"
+#include "q4_kernel.h"
 
 #include <torch/library.h>
 #include <ATen/Parallel.h>
@@ -24,12 +26,31 @@ std::optional<at::Tensor> given(const at::Tensor& t) {
   return t.numel() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
-// Linear number `i` (0 wqkv, 1 wo, 2 w13, 3 w2) of the layer on rows x [T, in].
-at::Tensor linear(const at::Tensor& x, at::TensorList p, int64_t i) {
+const float* data_or_null(const at::Tensor& t) { return t.numel() ? t.data_ptr<float>() : nullptr; }
+
+// Outputs of linear number `i` (0 wqkv, 1 wo, 2 w13, 3 w2) of the layer.
+int64_t out_features(at::TensorList p, int64_t i) {
   const int64_t b = 4 + 5 * i;
-  if (p[b].scalar_type() == at::kFloat) return d3d::fp32_linear(x, p[b], given(p[b + 4]));
-  if (p[b].scalar_type() == at::kByte) return d3d::q4_linear(x, p[b], p[b + 1], p[b + 2], p[b + 3], given(p[b + 4]));
-  return d3d::int8_linear(x, p[b], p[b + 1], p[b + 2], given(p[b + 3]), given(p[b + 4]));
+  if (p[b].scalar_type() == at::kFloat) return p[b].size(0) * d3d::fp32::GROUP;
+  if (p[b].scalar_type() == at::kByte) return p[b + 3].data_ptr<int64_t>()[0];
+  return p[b + 2].size(0);
+}
+
+// Linear number `i` on rows x [T, K] into y [T, out_features(p, i)].
+void linear(const float* x, int64_t T, int64_t K, at::TensorList p, int64_t i, float* y) {
+  const int64_t b = 4 + 5 * i;
+  if (p[b].scalar_type() == at::kFloat) {
+    TORCH_CHECK(p[b].dim() == 3 && p[b].size(1) == K, "layer: fp32 weight ", i, " does not take ", K, " inputs");
+    return d3d::fp32_linear_into(x, T, p[b], data_or_null(p[b + 4]), y);
+  }
+  if (p[b].scalar_type() == at::kByte) {
+    const int64_t* shape = p[b + 3].data_ptr<int64_t>();
+    TORCH_CHECK(shape[1] == K && p[b].dim() == 3 && (K + d3d::q4::GROUP - 1) / d3d::q4::GROUP == p[b].size(1),
+                "layer: int4 weight ", i, " does not take ", K, " inputs");
+    return d3d::q4_linear_into(x, T, p[b], p[b + 1], p[b + 2], shape[0], K, data_or_null(p[b + 4]), y);
+  }
+  TORCH_CHECK(p[b].dim() == 4 && K <= p[b].size(1) * 4, "layer: int8 weight ", i, " does not take ", K, " inputs");
+  d3d::int8_linear_into(x, T, K, p[b], p[b + 1], p[b + 2], data_or_null(p[b + 3]), data_or_null(p[b + 4]), y);
 }
 
 // What every layer of one call shares: the rows' positions as rotary tables (cos and sin of position * inv_freq,
@@ -115,28 +136,39 @@ std::vector<AttentionTask> attention_tasks(const Rows& r, int64_t KV, int64_t gr
   return heads;
 }
 
-at::Tensor layer_rows(const at::Tensor& x_, at::TensorList p, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                      const Rows& r, int64_t H, float eps) {
+// Working memory of the layers of one call, sized on first use and reused layer after layer (tensors made per layer
+// cost more than a small model's one-row products).
+struct Buffers {
+  std::vector<float> h, qkv, att, gu, act, y;
+};
+
+float* sized(std::vector<float>& v, int64_t n) {
+  if (int64_t(v.size()) < n) v.resize(n);
+  return v.data();
+}
+
+// One layer over the rows r of x [T, dim] into out [T, dim] (out may be x).
+void layer_rows(const float* x, float* out, int64_t dim, at::TensorList p, const at::Tensor& k_cache,
+                const at::Tensor& v_cache, const Rows& r, int64_t H, float eps, Buffers& buf) {
   TORCH_CHECK(p.size() == 24, "layer takes 24 parameter tensors (d3d.kernels.layer_params)");
-  TORCH_CHECK(x_.dim() == 3 && x_.size(0) == 1 && x_.scalar_type() == at::kFloat, "layer runs float rows [1, T, dim]");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4, "layer: KV cache [B, kv_heads, S, D]");
-  const int64_t T = r.T, dim = x_.size(2), B = k_cache.size(0), KV = k_cache.size(1), S = k_cache.size(2);
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+              k_cache.scalar_type() == at::kFloat && v_cache.sizes() == k_cache.sizes() &&
+              v_cache.scalar_type() == at::kFloat, "layer: KV cache [B, kv_heads, S, D]");
+  const int64_t T = r.T, B = k_cache.size(0), KV = k_cache.size(1), S = k_cache.size(2);
   const int64_t D = k_cache.size(3), group = H / KV, half = D / 2;
-  TORCH_CHECK(x_.size(1) == T, "layer: ", x_.size(1), " rows for ", T, " positions");
   TORCH_CHECK(H % KV == 0 && int64_t(r.cs.size()) == T * half, "layer: head shapes do not match");
   for (int64_t i = 0; i < T; ++i) {
     TORCH_CHECK(r.n_keys[i] <= S && r.write[i] < S, "layer: ", r.n_keys[i], " tokens exceed the KV cache (", S, ")");
     TORCH_CHECK(0 <= r.slot[i] && r.slot[i] < B, "layer: cache slot ", r.slot[i], " outside the cache's ", B);
   }
-  at::Tensor x = x_.reshape({T, dim}).contiguous();
-  const float* xp = x.data_ptr<float>();
-
-  at::Tensor h = at::empty({T, dim}, x.options());
-  for (int64_t i = 0; i < T; ++i) rms_norm(xp + i * dim, p[0].data_ptr<float>(), dim, eps, h.data_ptr<float>() + i * dim);
-  at::Tensor qkv = linear(h, p, 0).contiguous();
   const int64_t width = (H + 2 * KV) * D;
-  TORCH_CHECK(qkv.size(1) == width, "layer: wqkv does not match the heads");
-  float* qp = qkv.data_ptr<float>();
+  TORCH_CHECK(out_features(p, 0) == width, "layer: wqkv does not match the heads");
+  TORCH_CHECK(out_features(p, 1) == dim && out_features(p, 3) == dim, "layer: wo and w2 must give ", dim, " outputs");
+
+  float* h = sized(buf.h, T * dim);
+  for (int64_t i = 0; i < T; ++i) rms_norm(x + i * dim, p[0].data_ptr<float>(), dim, eps, h + i * dim);
+  float* qp = sized(buf.qkv, T * width);
+  linear(h, T, dim, p, 0, qp);
   float* kcp = k_cache.data_ptr<float>();
   float* vcp = v_cache.data_ptr<float>();
   for (int64_t i = 0; i < T; ++i) {
@@ -153,8 +185,7 @@ at::Tensor layer_rows(const at::Tensor& x_, at::TensorList p, const at::Tensor& 
     }
   }
 
-  at::Tensor att = at::empty({T, H * D}, x.options());
-  float* ap = att.data_ptr<float>();
+  float* ap = sized(buf.att, T * H * D);
   const std::vector<AttentionTask> tasks = attention_tasks(r, KV, group, at::get_num_threads());
   at::parallel_for(0, int64_t(tasks.size()), 1, [&](int64_t b, int64_t e) {
     AttendScratch scratch;
@@ -166,26 +197,44 @@ at::Tensor layer_rows(const at::Tensor& x_, at::TensorList p, const at::Tensor& 
     }
   });
 
-  at::Tensor out = x + linear(att, p, 1);  // elementwise: the same for every row
-  for (int64_t i = 0; i < T; ++i)
-    rms_norm(out.data_ptr<float>() + i * dim, p[1].data_ptr<float>(), dim, eps, h.data_ptr<float>() + i * dim);
-  at::Tensor gu = linear(h, p, 2).contiguous();
-  const int64_t inter = gu.size(1) / 2;
-  at::Tensor act = at::empty({T, inter}, x.options());
-  for (int64_t i = 0; i < T; ++i) {
-    const float* g = gu.data_ptr<float>() + i * 2 * inter;
-    float* a = act.data_ptr<float>() + i * inter;
-    silu_mul(g, g + inter, inter, a);
+  float* y = sized(buf.y, T * dim);
+  linear(ap, T, H * D, p, 1, y);
+  for (int64_t j = 0; j < T * dim; ++j) out[j] = x[j] + y[j];  // elementwise: the same for every row
+  for (int64_t i = 0; i < T; ++i) rms_norm(out + i * dim, p[1].data_ptr<float>(), dim, eps, h + i * dim);
+  const int64_t inter = out_features(p, 2) / 2;
+  float* gu = sized(buf.gu, T * 2 * inter);
+  linear(h, T, dim, p, 2, gu);
+  float* act = sized(buf.act, T * inter);
+  for (int64_t i = 0; i < T; ++i) silu_mul(gu + i * 2 * inter, gu + i * 2 * inter + inter, inter, act + i * inter);
+  linear(act, T, inter, p, 3, y);
+  for (int64_t j = 0; j < T * dim; ++j) out[j] += y[j];
+}
+
+// The layers params[0 .. n) in turn over x [1, T, dim], a new tensor out.
+at::Tensor run_layers(const at::Tensor& x_, at::TensorList p, at::TensorList k_caches, at::TensorList v_caches,
+                      const Rows& r, int64_t H, float eps) {
+  TORCH_CHECK(x_.dim() == 3 && x_.size(0) == 1 && x_.scalar_type() == at::kFloat, "layer runs float rows [1, T, dim]");
+  TORCH_CHECK(x_.size(1) == r.T, "layer: ", x_.size(1), " rows for ", r.T, " positions");
+  TORCH_CHECK(k_caches.size() == v_caches.size() && p.size() == 24 * k_caches.size(),
+              "layers take 24 parameter tensors and a K and a V cache per layer");
+  const at::Tensor x = x_.contiguous();
+  const int64_t dim = x.size(2);
+  at::Tensor out = at::empty_like(x);
+  thread_local Buffers buf;
+  const float* in = x.data_ptr<float>();
+  for (size_t i = 0; i < k_caches.size(); ++i) {
+    layer_rows(in, out.data_ptr<float>(), dim, p.slice(24 * i, 24), k_caches[i], v_caches[i], r, H, eps, buf);
+    in = out.data_ptr<float>();  // the layers after the first work in place: each reads a row before writing it
   }
-  out += linear(act, p, 3);
-  return out.view({1, T, dim});
+  if (k_caches.empty()) out.copy_(x);
+  return out;
 }
 
 at::Tensor layer(const at::Tensor& x, at::TensorList p, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& inv_freq, const at::Tensor& positions, const std::optional<at::Tensor>& mask,
                  int64_t start, int64_t H, double eps) {
   TORCH_CHECK(x.dim() == 3, "layer runs one float sequence [1, T, dim]");
-  return layer_rows(x, p, k_cache, v_cache, rows_of(inv_freq, positions, mask, x.size(1), start), H, float(eps));
+  return run_layers(x, p, {k_cache}, {v_cache}, rows_of(inv_freq, positions, mask, x.size(1), start), H, float(eps));
 }
 
 // All of a model's layers in turn, params holding each layer's 24 tensors one after the other: one call
@@ -197,11 +246,7 @@ at::Tensor layers(const at::Tensor& x, at::TensorList p, at::TensorList k_caches
   TORCH_CHECK(x.dim() == 3, "layers run one float sequence [1, T, dim]");
   TORCH_CHECK(k_caches.size() == v_caches.size() && p.size() == 24 * k_caches.size(),
               "layers takes 24 parameter tensors and a K and a V cache per layer");
-  const Rows r = rows_of(inv_freq, positions, mask, x.size(1), start);
-  at::Tensor h = x;
-  for (size_t i = 0; i < k_caches.size(); ++i)
-    h = layer_rows(h, p.slice(24 * i, 24), k_caches[i], v_caches[i], r, H, float(eps));
-  return h;
+  return run_layers(x, p, k_caches, v_caches, rows_of(inv_freq, positions, mask, x.size(1), start), H, float(eps));
 }
 
 // All layers over the rows of several sequences at once (continuous batching, d3d.scheduler): segment s is
@@ -226,10 +271,7 @@ at::Tensor layers_batch(const at::Tensor& x, at::TensorList p, at::TensorList k_
   r.T = int64_t(r.slot.size());
   TORCH_CHECK(x.size(1) == r.T, "layers_batch: ", x.size(1), " rows for segments of ", r.T);
   rope_tables(r, inv_freq, positions);
-  at::Tensor h = x;
-  for (size_t i = 0; i < k_caches.size(); ++i)
-    h = layer_rows(h, p.slice(24 * i, 24), k_caches[i], v_caches[i], r, H, float(eps));
-  return h;
+  return run_layers(x, p, k_caches, v_caches, r, H, float(eps));
 }
 
 }  // namespace

@@ -4,6 +4,29 @@
 
 #include <torch/library.h>
 #include <ATen/Parallel.h>
+#include <vector>
+
+void d3d::q4_linear_into(const float* x, int64_t M, const at::Tensor& q, const at::Tensor& scales,
+                         const at::Tensor& factors, int64_t N, int64_t K, const float* bias, float* y) {
+  using namespace d3d::q4;
+  const int64_t NB = q.size(0), SB = (K + SUPER - 1) / SUPER, bits = 4 * q.size(2) / GROUP_BYTES;
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> xs;
+  thread_local std::vector<int32_t> xsum;
+  xq.resize(M * SB * SUPER);
+  xs.resize(M * SB);
+  xsum.resize(M * SB * GROUPS);
+  for (int64_t m = 0; m < M; ++m)
+    quantize_row(x + m * K, K, xq.data() + m * SB * SUPER, xs.data() + m * SB, xsum.data() + m * SB * GROUPS);
+  // the pointers are taken here: inside the lambda, on a worker thread, xq would name that thread's buffer
+  const int8_t* qx = xq.data();
+  const float* sx = xs.data();
+  const int32_t* gx = xsum.data();
+  at::parallel_for(0, NB, 4, [&](int64_t b0, int64_t b1) {
+    blocks(bits, qx, M, K, sx, gx, q.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), factors.data_ptr<float>(), N,
+           bias, y, b0, b1);
+  });
+}
 
 at::Tensor d3d::q4_linear(const at::Tensor& x_, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& factors,
                           const at::Tensor& shape, const std::optional<at::Tensor>& bias_) {
@@ -18,18 +41,9 @@ at::Tensor d3d::q4_linear(const at::Tensor& x_, const at::Tensor& q, const at::T
               "q4_linear: shapes do not match the packed weight");
   at::Tensor x = x_.reshape({-1, K}).contiguous();
   const int64_t M = x.size(0);
-  at::Tensor xq = at::empty({M, SB * SUPER}, x.options().dtype(at::kChar));
-  at::Tensor xs = at::empty({M, SB}, x.options());
-  at::Tensor xsum = at::empty({M, SB * GROUPS}, x.options().dtype(at::kInt));
-  for (int64_t m = 0; m < M; ++m)
-    quantize_row(x.data_ptr<float>() + m * K, K, xq.data_ptr<int8_t>() + m * SB * SUPER, xs.data_ptr<float>() + m * SB,
-                 xsum.data_ptr<int32_t>() + m * SB * GROUPS);
   at::Tensor y = at::empty({M, N}, x.options());
-  const float* bp = bias_.has_value() ? bias_->data_ptr<float>() : nullptr;
-  at::parallel_for(0, NB, 4, [&](int64_t b0, int64_t b1) {
-    blocks(bits, xq.data_ptr<int8_t>(), M, K, xs.data_ptr<float>(), xsum.data_ptr<int32_t>(), q.data_ptr<uint8_t>(),
-           scales.data_ptr<uint8_t>(), factors.data_ptr<float>(), N, bp, y.data_ptr<float>(), b0, b1);
-  });
+  q4_linear_into(x.data_ptr<float>(), M, q, scales, factors, N, K, bias_.has_value() ? bias_->data_ptr<float>() : nullptr,
+                 y.data_ptr<float>());
   auto out = x_.sizes().vec();
   out.back() = N;
   return y.view(out);
