@@ -363,3 +363,27 @@ def test_cache_lock_lets_one_process_fetch_or_convert_at_a_time(tmp_path, monkey
     assert events == ["first out", "second in"]
     with cache_lock("model-y"), cache_lock("model-z"):  # other names do not wait
         assert (tmp_path / "locks" / "model-y.lock").exists()
+
+
+def test_packed_weights_move_into_one_huge_page_buffer_in_place():
+    """into_huge_pages re-points each big tensor and every module buffer that shared its memory at one buffer
+    (2 MB-aligned where the kernel offers huge pages), keeping the values; small tensors stay where they are."""
+    from d3d.runtime.kernels import HUGE_PAGE, _madvise, into_huge_pages
+    from d3d.runtime.quantize import Int4Linear
+
+    torch.manual_seed(0)
+    lin = Int4Linear.from_linear(torch.nn.Linear(1024, 4096, bias=False))  # scales 256 KB: both move
+    small = torch.randn(16)
+    params = [lin.q4.detach(), lin.scales.detach(), small]
+    before = [t.clone() for t in params]
+    small_ptr = small.data_ptr()
+    into_huge_pages(params, list(lin.buffers()))
+    assert all(torch.equal(a, b) for a, b in zip(params, before))
+    assert small.data_ptr() == small_ptr
+    if _madvise() is None:
+        pytest.skip("no transparent huge pages here: the tensors stay where they are")
+    assert params[0].data_ptr() % HUGE_PAGE == 0
+    assert lin.q4.data_ptr() == params[0].data_ptr()  # the module's own buffer moved with it
+    assert params[1].untyped_storage().data_ptr() == params[0].untyped_storage().data_ptr()  # one buffer
+    x = torch.randn(3, 1024)
+    assert torch.equal(lin(x), torch.ops.d3d.q4_linear(x, params[0], params[1], lin.factors, lin.shape, None))

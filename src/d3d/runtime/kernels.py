@@ -268,6 +268,69 @@ def pack_fp32(weight: torch.Tensor) -> torch.Tensor | None:
     return weight.detach().float().reshape(N // FP32_GROUP, FP32_GROUP, K).transpose(1, 2).contiguous()
 
 
+HUGE_PAGE = 2 << 20
+HUGE_MIN_BYTES = 1 << 16  # smaller tensors (norms, scales of small layers) stay where they are
+TRIM_BYTES = 32 << 20  # moved between malloc_trim calls
+
+
+@lru_cache(maxsize=None)
+def _madvise():
+    """libc's madvise where the kernel offers transparent huge pages on request ("always" or "madvise"), else None."""
+    try:
+        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    libc = _libc()
+    if "[never]" in mode or libc is None or not hasattr(libc, "madvise"):
+        return None
+    import ctypes
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise
+
+
+@lru_cache(maxsize=None)
+def _libc():
+    import ctypes
+    try:
+        return ctypes.CDLL(None)
+    except OSError:
+        return None
+
+
+def into_huge_pages(tensors: list[torch.Tensor], sharers: list[torch.Tensor] = ()) -> None:
+    """Move the weights a forward streams (each tensor of `tensors` of at least HUGE_MIN_BYTES) into one buffer
+    backed by 2 MB pages, in place (Tensor.set_), along with every tensor of `sharers` (a module's buffers) that
+    held the same memory, so the old copy is freed as each tensor moves and the peak stays one tensor above the
+    weights. A one-token step reads every weight once, and with 4 KB pages it also walks ~500 page tables a layer
+    of the TLB's misses: SmolLM2's 30 layers ran a one-row step in 0.89x the time in int4, 0.94x in fp32 (AMD
+    EPYC, 2 threads, interleaved). No-op where the kernel offers no huge pages (Linux "never", other systems)."""
+    madvise = _madvise()
+    big = [t for t in tensors if t.device.type == "cpu" and t.numel() * t.element_size() >= HUGE_MIN_BYTES
+           and t.is_contiguous()]
+    if madvise is None or not big:
+        return
+    sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in big]
+    arena = torch.empty(sum(sizes) + HUGE_PAGE, dtype=torch.uint8)
+    start = -arena.data_ptr() % HUGE_PAGE
+    madvise(arena.data_ptr() + start, (arena.numel() - start) // HUGE_PAGE * HUGE_PAGE, 14)  # MADV_HUGEPAGE
+    by_address: dict[tuple[int, int], list[torch.Tensor]] = {}
+    for t in sharers:
+        by_address.setdefault((t.data_ptr(), t.numel()), []).append(t)
+    trim = getattr(_libc(), "malloc_trim", None)  # glibc: hand the freed copies back to the system as they go
+    offset, moved = start, 0
+    with torch.no_grad():
+        for t, size in zip(big, sizes):
+            view = arena[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            view.copy_(t)
+            for owner in by_address.pop((t.data_ptr(), t.numel()), []) + [t]:
+                if owner.data_ptr() != view.data_ptr():
+                    owner.set_(view)
+            offset, moved = offset + size, moved + size
+            if trim is not None and (moved >= TRIM_BYTES or offset + HUGE_PAGE >= arena.numel()):
+                trim(0)
+                moved = 0
+
+
 def layer_params(block: torch.nn.Module) -> list[torch.Tensor] | None:
     """The tensors of one d3d.runtime.layers.Block in torch.ops.d3d.layer's order (csrc/layer.cpp): its norms, then
     five slots per linear layer (int8: packed, w_sum, w_scale, smooth, bias; int4: q, scales, factors, shape,
