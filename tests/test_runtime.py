@@ -387,3 +387,7 @@ def test_packed_weights_move_into_one_huge_page_buffer_in_place():
     assert params[1].untyped_storage().data_ptr() == params[0].untyped_storage().data_ptr()  # one buffer
     x = torch.randn(3, 1024)
     assert torch.equal(lin(x), torch.ops.d3d.q4_linear(x, params[0], params[1], lin.factors, lin.shape, None))
+    large = torch.randn(3 << 20)  # 12 MB: its whole 2 MB spans are collapsed where they are, nothing copied
+    large_ptr, values = large.data_ptr(), large.clone()
+    into_huge_pages([large], copy=False)
+    assert large.data_ptr() == large_ptr and torch.equal(large, values)

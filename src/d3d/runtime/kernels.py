@@ -261,11 +261,27 @@ def dequantize_q4(q: torch.Tensor, scales: torch.Tensor, factors: torch.Tensor, 
 
 
 def pack_fp32(weight: torch.Tensor) -> torch.Tensor | None:
-    """An fp32 weight [N, K] packed [N/64, K, 64] for fp32_linear (None where N is not a multiple of 64)."""
+    """An fp32 weight [N, K] packed [N/64, K, 64] for fp32_linear (None where N is not a multiple of 64), in 2 MB
+    pages where it spans some (empty_in_huge_pages)."""
     N, K = weight.shape
     if N % FP32_GROUP:
         return None
-    return weight.detach().float().reshape(N // FP32_GROUP, FP32_GROUP, K).transpose(1, 2).contiguous()
+    packed = weight.detach().float().reshape(N // FP32_GROUP, FP32_GROUP, K).transpose(1, 2)
+    if weight.device.type != "cpu":
+        return packed.contiguous()
+    return empty_in_huge_pages(packed.shape, packed.dtype).copy_(packed)
+
+
+def empty_in_huge_pages(shape, dtype: torch.dtype) -> torch.Tensor:
+    """torch.empty(shape, dtype) on the CPU whose whole 2 MB spans the kernel backs with 2 MB pages as they are first
+    written (MADV_HUGEPAGE before any write): what into_huge_pages would otherwise collapse afterwards (0.7 s a GB)."""
+    out = torch.empty(shape, dtype=dtype)
+    madvise = _madvise()
+    n = out.numel() * out.element_size()
+    if madvise is not None and n >= 2 * HUGE_PAGE:
+        first = -(-out.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+        madvise(first, (out.data_ptr() + n) // HUGE_PAGE * HUGE_PAGE - first, 14)
+    return out
 
 
 HUGE_PAGE = 2 << 20
@@ -297,19 +313,33 @@ def _libc():
         return None
 
 
-def into_huge_pages(tensors: list[torch.Tensor], sharers: list[torch.Tensor] = ()) -> None:
-    """Move the weights a forward streams (each tensor of `tensors` of at least HUGE_MIN_BYTES) into one buffer
-    backed by 2 MB pages, in place (Tensor.set_), along with every tensor of `sharers` (a module's buffers) that
-    held the same memory, so the old copy is freed as each tensor moves and the peak stays one tensor above the
-    weights. A one-token step reads every weight once, and with 4 KB pages it also walks ~500 page tables a layer
-    of the TLB's misses: SmolLM2's 30 layers ran a one-row step in 0.89x the time in int4, 0.94x in fp32 (AMD
-    EPYC, 2 threads, interleaved). No-op where the kernel offers no huge pages (Linux "never", other systems)."""
+def into_huge_pages(tensors: list[torch.Tensor], sharers: list[torch.Tensor] = (), copy: bool = True) -> None:
+    """Put the weights a forward streams (each tensor of `tensors` of at least HUGE_MIN_BYTES) in 2 MB pages. A
+    one-token step reads every weight once, and with 4 KB pages it also misses the TLB on each page: SmolLM2's 30
+    layers ran a one-row step in 0.89x the time in int4, 0.94x in fp32 (AMD EPYC, 2 threads, interleaved).
+
+    A tensor holding whole aligned 2 MB spans has them collapsed in place (MADV_COLLAPSE: no copy, no extra
+    memory). The smaller ones, with `copy`, are moved into one buffer of 2 MB pages (Tensor.set_), along with every
+    tensor of `sharers` (a module's buffers) that held the same memory, so each old copy is freed as it moves.
+    No-op where the kernel offers no huge pages (Linux "never", other systems)."""
     madvise = _madvise()
     big = [t for t in tensors if t.device.type == "cpu" and t.numel() * t.element_size() >= HUGE_MIN_BYTES
            and t.is_contiguous()]
     if madvise is None or not big:
         return
-    sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in big]
+    small = []
+    for t in big:
+        first = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+        last = (t.data_ptr() + t.numel() * t.element_size()) // HUGE_PAGE * HUGE_PAGE
+        if last - first >= HUGE_PAGE and madvise(first, last - first, 14) == 0 and madvise(first, last - first, 25) == 0:
+            continue  # MADV_HUGEPAGE, MADV_COLLAPSE (Linux 6.1): the spans in between are 2 MB pages now
+        small.append(t)
+    if copy and small:
+        _copy_into_huge_pages(small, sharers, madvise)
+
+
+def _copy_into_huge_pages(tensors: list[torch.Tensor], sharers: list[torch.Tensor], madvise) -> None:
+    sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in tensors]
     arena = torch.empty(sum(sizes) + HUGE_PAGE, dtype=torch.uint8)
     start = -arena.data_ptr() % HUGE_PAGE
     madvise(arena.data_ptr() + start, (arena.numel() - start) // HUGE_PAGE * HUGE_PAGE, 14)  # MADV_HUGEPAGE
@@ -319,7 +349,7 @@ def into_huge_pages(tensors: list[torch.Tensor], sharers: list[torch.Tensor] = (
     trim = getattr(_libc(), "malloc_trim", None)  # glibc: hand the freed copies back to the system as they go
     offset, moved = start, 0
     with torch.no_grad():
-        for t, size in zip(big, sizes):
+        for t, size in zip(tensors, sizes):
             view = arena[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
             view.copy_(t)
             for owner in by_address.pop((t.data_ptr(), t.numel()), []) + [t]:

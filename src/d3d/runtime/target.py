@@ -101,7 +101,7 @@ class Transformer(nn.Module):
             return torch.ops.d3d.fp32_linear(self.norm(x), self.cpu_head, None)
         return self.output(self.norm(x))
 
-    def pack_cpu_layers(self, huge_pages: bool = True) -> None:
+    def pack_cpu_layers(self, copy_to_huge_pages: bool = True) -> None:
         """Run this model's forward passes over one sequence (batch 1, with a KV cache, no autograd) as one
         torch.ops.d3d.layers call (one torch.ops.d3d.layer per layer where hidden states are tapped), on
         weights packed for d3d's CPU kernels (d3d.runtime.kernels): every row is computed on its own, so
@@ -109,7 +109,8 @@ class Transformer(nn.Module):
         small ops of a layer run in C++. fp32 weights are copied into the packed layout (and repacked if
         they change); int8 (d3d.runtime.quantize) are used as they are.
         Off the CPU, without the kernels (no compiler) or with weights they cannot take, the PyTorch layers stay.
-        huge_pages: move the packed weights into 2 MB pages (d3d.runtime.kernels.into_huge_pages)."""
+        The packed weights go into 2 MB pages (d3d.runtime.kernels.into_huge_pages; with copy_to_huge_pages False only
+        the spans of the tensors that hold whole ones, in place)."""
         usable = self.tok_embeddings.weight.device.type == "cpu" and kernels_available()
         params = [layer_params(layer) for layer in self.layers] if usable else None
         if params is None or any(p is None for p in params):
@@ -118,8 +119,7 @@ class Transformer(nn.Module):
         fp32 = isinstance(self.output, nn.Linear)
         self.cpu_head = pack_fp32(self.output.weight) if fp32 else None
         head = [self.cpu_head] if self.cpu_head is not None else list(self.output.buffers())
-        if huge_pages:
-            into_huge_pages([t for layer in params for t in layer] + head, list(self.buffers()))
+        into_huge_pages([t for layer in params for t in layer] + head, list(self.buffers()), copy_to_huge_pages)
         self.use_cpu_layers(params)
         linears = [m for m in self.modules() if isinstance(m, nn.Linear)] if fp32 else []
         self.cpu_packed_from = [(m, m.weight, m.weight._version) for m in linears]
