@@ -136,6 +136,8 @@ std::vector<AttentionTask> attention_tasks(const Rows& r, int64_t KV, int64_t gr
   return heads;
 }
 
+constexpr int64_t KEEP_ROWS = 64;  // calls of more rows free their working memory (below: decoding steps, trees)
+
 // Working memory of the layers of one call, sized on first use and reused layer after layer (tensors made per layer
 // cost more than a small model's one-row products).
 struct Buffers {
@@ -227,6 +229,7 @@ at::Tensor run_layers(const at::Tensor& x_, at::TensorList p, at::TensorList k_c
     in = out.data_ptr<float>();  // the layers after the first work in place: each reads a row before writing it
   }
   if (k_caches.empty()) out.copy_(x);
+  if (r.T > KEEP_ROWS) buf = Buffers();  // a prompt's buffers (the pair's 4,096 rows: 0.5 GB) are not kept
   return out;
 }
 
