@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.utils.cpp_extension
 
 from d3d.atomic import atomic_write_json
 from d3d.bench.harness import machine_info
