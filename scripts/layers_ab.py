@@ -27,7 +27,7 @@ import torch.utils.cpp_extension
 
 from d3d.atomic import atomic_write_json
 from d3d.bench.harness import machine_info
-from d3d.runtime.kernels import SOURCES
+from d3d.runtime.kernels import BUILD_CFLAGS, BUILD_LDFLAGS, SOURCES
 from d3d.runtime.loading import load_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,8 +49,7 @@ def load_base(rev: str, workdir: Path) -> None:
         digest.update(text.encode())
     torch.utils.cpp_extension.load(
         name=f"d3dx_{digest.hexdigest()[:10]}", sources=[str(out / s.name) for s in SOURCES],
-        extra_include_paths=[str(out)], is_python_module=False,
-        extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"])
+        extra_include_paths=[str(out)], is_python_module=False, extra_cflags=BUILD_CFLAGS, extra_ldflags=BUILD_LDFLAGS)
 
 
 def main() -> None:

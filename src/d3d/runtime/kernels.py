@@ -37,6 +37,8 @@ from ..errors import D3DError
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "int8_linear.cpp", CSRC / "q4_linear.cpp", CSRC / "fp32_linear.cpp", CSRC / "layer.cpp"]
 HEADERS = sorted(CSRC.glob("*.h"))
+BUILD_CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]  # -ffp-contract=off: every path's bits
+BUILD_LDFLAGS = ["-fopenmp"]
 LANES = 16  # outputs per packed int8 block (one 512-bit register of int32 sums)
 FP32_GROUP = 64  # outputs per packed fp32 group (four 512-bit registers)
 
@@ -105,9 +107,8 @@ def load_kernels() -> None:
     variant = path if flags else "native"
     try:
         load(name=f"d3d_kernels_{_build_tag()}_{variant}", sources=[str(s) for s in SOURCES],
-             extra_include_paths=[str(CSRC)], is_python_module=False,
-             extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", *flags],
-             extra_ldflags=["-fopenmp"], verbose=False)
+             extra_include_paths=[str(CSRC)], is_python_module=False, extra_cflags=[*BUILD_CFLAGS, *flags],
+             extra_ldflags=BUILD_LDFLAGS, verbose=False)
     except Exception as e:  # a failed build surfaces as many error types (compiler missing, ninja, linker)
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise D3DError(f"d3d builds small C++ kernels for the CPU and needs a C++ compiler and ninja: {msg}") from None
@@ -277,16 +278,21 @@ def empty_in_huge_pages(shape, dtype: torch.dtype) -> torch.Tensor:
     written (MADV_HUGEPAGE before any write): what into_huge_pages would otherwise collapse afterwards (0.7 s a GB)."""
     out = torch.empty(shape, dtype=dtype)
     madvise = _madvise()
-    n = out.numel() * out.element_size()
-    if madvise is not None and n >= 2 * HUGE_PAGE:
-        first = -(-out.data_ptr() // HUGE_PAGE) * HUGE_PAGE
-        madvise(first, (out.data_ptr() + n) // HUGE_PAGE * HUGE_PAGE - first, 14)
+    if madvise is not None and out.numel() * out.element_size() >= 2 * HUGE_PAGE:
+        madvise(*_whole_spans(out.data_ptr(), out.numel() * out.element_size()), MADV_HUGEPAGE)
     return out
 
 
 HUGE_PAGE = 2 << 20
 HUGE_MIN_BYTES = 1 << 16  # smaller tensors (norms, scales of small layers) stay where they are
 TRIM_BYTES = 32 << 20  # moved between malloc_trim calls
+MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25  # Linux's madvise advice (MADV_COLLAPSE: 6.1 and later)
+
+
+def _whole_spans(address: int, nbytes: int) -> tuple[int, int]:
+    """(start, length) of the aligned 2 MB spans that lie wholly in nbytes at address (length 0: none)."""
+    first = -(-address // HUGE_PAGE) * HUGE_PAGE
+    return first, max(0, (address + nbytes) // HUGE_PAGE * HUGE_PAGE - first)
 
 
 @lru_cache(maxsize=None)
@@ -329,10 +335,9 @@ def into_huge_pages(tensors: list[torch.Tensor], sharers: list[torch.Tensor] = (
         return
     small = []
     for t in big:
-        first = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE
-        last = (t.data_ptr() + t.numel() * t.element_size()) // HUGE_PAGE * HUGE_PAGE
-        if last - first >= HUGE_PAGE and madvise(first, last - first, 14) == 0 and madvise(first, last - first, 25) == 0:
-            continue  # MADV_HUGEPAGE, MADV_COLLAPSE (Linux 6.1): the spans in between are 2 MB pages now
+        spans = _whole_spans(t.data_ptr(), t.numel() * t.element_size())
+        if spans[1] >= HUGE_PAGE and madvise(*spans, MADV_HUGEPAGE) == 0 and madvise(*spans, MADV_COLLAPSE) == 0:
+            continue  # its whole spans are 2 MB pages now
         small.append(t)
     if copy and small:
         _copy_into_huge_pages(small, sharers, madvise)
@@ -341,8 +346,9 @@ def into_huge_pages(tensors: list[torch.Tensor], sharers: list[torch.Tensor] = (
 def _copy_into_huge_pages(tensors: list[torch.Tensor], sharers: list[torch.Tensor], madvise) -> None:
     sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in tensors]
     arena = torch.empty(sum(sizes) + HUGE_PAGE, dtype=torch.uint8)
-    start = -arena.data_ptr() % HUGE_PAGE
-    madvise(arena.data_ptr() + start, (arena.numel() - start) // HUGE_PAGE * HUGE_PAGE, 14)  # MADV_HUGEPAGE
+    spans = _whole_spans(arena.data_ptr(), arena.numel())
+    madvise(*spans, MADV_HUGEPAGE)
+    start = spans[0] - arena.data_ptr()
     by_address: dict[tuple[int, int], list[torch.Tensor]] = {}
     for t in sharers:
         by_address.setdefault((t.data_ptr(), t.numel()), []).append(t)

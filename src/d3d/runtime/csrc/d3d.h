@@ -28,4 +28,8 @@ void q4_linear_into(const float* x, int64_t M, const at::Tensor& q, const at::Te
                     int64_t N, int64_t K, const float* bias, float* y);
 void fp32_linear_into(const float* x, int64_t M, const at::Tensor& w, const float* bias, float* y);
 
+// Calls of more rows than this (a prompt's) free the working memory they sized instead of keeping it for the next call
+// (decoding steps and token trees stay below it): the fp32 pair's 4,096-row pass needs 0.5 GB of it.
+constexpr int64_t KEEP_ROWS = 64;
+
 }  // namespace d3d

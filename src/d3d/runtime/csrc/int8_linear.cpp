@@ -24,7 +24,7 @@ void d3d::int8_linear_into(const float* x, int64_t M, int64_t K, const at::Tenso
   at::parallel_for(0, NB, 4, [&](int64_t b0, int64_t b1) {
     d3d::int8::blocks(qp, M, K4, wp, N, wsum, wsc, xs, bias, y, b0, b1);
   });
-  if (M > 64) {  // a prompt's quantized rows are not kept
+  if (M > KEEP_ROWS) {  // a prompt's quantized rows are not kept
     std::vector<uint8_t>().swap(xq);
     std::vector<float>().swap(x_scale);
   }

@@ -22,10 +22,6 @@ namespace {
 
 using namespace d3d::rows;
 
-std::optional<at::Tensor> given(const at::Tensor& t) {
-  return t.numel() ? std::optional<at::Tensor>(t) : std::nullopt;
-}
-
 const float* data_or_null(const at::Tensor& t) { return t.numel() ? t.data_ptr<float>() : nullptr; }
 
 // Outputs of linear number `i` (0 wqkv, 1 wo, 2 w13, 3 w2) of the layer.
@@ -136,8 +132,6 @@ std::vector<AttentionTask> attention_tasks(const Rows& r, int64_t KV, int64_t gr
   return heads;
 }
 
-constexpr int64_t KEEP_ROWS = 64;  // calls of more rows free their working memory (below: decoding steps, trees)
-
 // Working memory of the layers of one call, sized on first use and reused layer after layer (tensors made per layer
 // cost more than a small model's one-row products).
 struct Buffers {
@@ -229,7 +223,7 @@ at::Tensor run_layers(const at::Tensor& x_, at::TensorList p, at::TensorList k_c
     in = out.data_ptr<float>();  // the layers after the first work in place: each reads a row before writing it
   }
   if (k_caches.empty()) out.copy_(x);
-  if (r.T > KEEP_ROWS) buf = Buffers();  // a prompt's buffers (the pair's 4,096 rows: 0.5 GB) are not kept
+  if (r.T > d3d::KEEP_ROWS) buf = Buffers();  // a prompt's buffers (the pair's 4,096 rows: 0.5 GB) are not kept
   return out;
 }
 

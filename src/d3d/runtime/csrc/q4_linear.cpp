@@ -26,7 +26,7 @@ void d3d::q4_linear_into(const float* x, int64_t M, const at::Tensor& q, const a
     blocks(bits, qx, M, K, sx, gx, q.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), factors.data_ptr<float>(), N,
            bias, y, b0, b1);
   });
-  if (M > 64) {  // a prompt's quantized rows are not kept
+  if (M > KEEP_ROWS) {  // a prompt's quantized rows are not kept
     std::vector<int8_t>().swap(xq);
     std::vector<float>().swap(xs);
     std::vector<int32_t>().swap(xsum);
